@@ -1,0 +1,119 @@
+"""The engine server: one model's engine behind a small request/stream contract.
+
+``EngineServer`` is a plain class (tests build it without Ray); ``EngineDeployment`` is the thin
+Ray Serve subclass that adds the replica's identity and its CPU binding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ray import serve
+
+from fleetserve.platform.config import ModelConfig
+from fleetserve.platform.engine import Engine, EngineRequestError, GenerationDelta, SamplingOptions
+from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """One generation request, as the ingress hands it to an engine server."""
+
+    request_id: str
+    options: SamplingOptions
+    # Chat: the messages, rendered with the model's chat template. Exactly one of messages/prompt is set.
+    messages: list[dict[str, str]] | None = None
+    # Completions: text, or token ids.
+    prompt: str | list[int] | None = None
+
+
+@dataclass(frozen=True)
+class EngineChunk:
+    """One streamed piece of output, tagged with the replica that produced it."""
+
+    replica_id: str
+    delta: GenerationDelta
+
+
+class EngineServer:
+    """Serves one model from one vLLM engine.
+
+    Args:
+        model: the model's platform config.
+        engine_cls: the engine class; injected so tests can substitute a fake.
+        replica_id: how responses name this server.
+        cpu_binding: cores for the engine's CPU worker; None leaves vLLM's default.
+        model_path: an already resolved HF folder; None resolves ``model.source`` here.
+    """
+
+    def __init__(self, model: ModelConfig, *, engine_cls: type[Engine] = Engine, replica_id: str = "local",
+                 cpu_binding: str | None = None, model_path: str | Path | None = None) -> None:
+        self.model = model
+        self.replica_id = replica_id
+        path = Path(model_path) if model_path is not None else resolve_source(model.source)
+        self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding)
+
+    def _prompt_ids(self, request: EngineRequest) -> list[int]:
+        if request.messages is not None:
+            return self.engine.render_chat(request.messages)
+        if isinstance(request.prompt, str):
+            return self.engine.encode(request.prompt)
+        if isinstance(request.prompt, list):
+            vocab_size = len(self.engine.tokenizer)
+            bad = [token for token in request.prompt if not 0 <= token < vocab_size]
+            if bad:
+                raise EngineRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                                         f"(0..{vocab_size - 1})", param="prompt")
+            return list(request.prompt)
+        raise EngineRequestError("a request needs messages or a prompt", param="prompt")
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        """Streams the request's output. Closing the stream early aborts it in the engine.
+
+        Raises:
+            EngineRequestError: the prompt or options are invalid for this model.
+        """
+        prompt_ids = self._prompt_ids(request)
+        async for delta in self.engine.generate(prompt_ids, request.options, request.request_id):
+            yield EngineChunk(self.replica_id, delta)
+
+    async def abort(self, request_id: str) -> None:
+        await self.engine.abort(request_id)
+
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def check_health(self) -> None:
+        await self.engine.check_health()
+
+    def shutdown(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            self.engine = None
+            engine.shutdown()
+
+
+@serve.deployment
+class EngineDeployment(EngineServer):
+    """Ray Serve replica of an engine server; options come from ``ModelConfig.deployment_options``."""
+
+    def __init__(self, model: dict[str, Any], cpu_bindings: list[str] | None = None,
+                 model_path: str | None = None) -> None:
+        context = serve.get_replica_context()
+        config = ModelConfig.model_validate(model)
+        binding = cpu_bindings[context.rank.rank % len(cpu_bindings)] if cpu_bindings else None
+        logger.info("replica %s of %s: cpu binding %s", context.replica_id.unique_id, config.name, binding)
+        super().__init__(config, replica_id=context.replica_id.unique_id, cpu_binding=binding,
+                         model_path=model_path)
+
+    def __del__(self) -> None:
+        # Serve calls __del__ on graceful shutdown; stopping the engine here lets its worker exit
+        # before Ray kills the actor, which is what leaves /dev/shm segments behind.
+        self.shutdown()

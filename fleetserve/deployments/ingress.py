@@ -1,0 +1,222 @@
+"""The OpenAI-compatible ingress: validates requests, picks the model's engine, streams responses.
+
+``OpenAIIngress`` is a plain class that builds a FastAPI app over a mapping of model name to
+``ModelClient``; ``IngressDeployment`` is the Ray Serve subclass whose clients are deployment handles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal, Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+
+from fleetserve.deployments.engine_server import EngineChunk, EngineRequest, EngineServer
+from fleetserve.deployments.protocol import (
+    HEADER_MODEL,
+    HEADER_POOL,
+    HEADER_REPLICA,
+    HEADER_REQUEST_ID,
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponseBuilder,
+    new_id,
+)
+from fleetserve.platform.engine import EngineRequestError
+
+logger = logging.getLogger(__name__)
+
+
+class ModelClient(Protocol):
+    """How the ingress reaches one model's engines."""
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]: ...
+
+
+class LocalModelClient:
+    """Calls an in-process ``EngineServer`` (tests, single-process use)."""
+
+    def __init__(self, server: EngineServer) -> None:
+        self.server = server
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        return self.server.generate(request)
+
+
+class HandleModelClient:
+    """Calls an engine deployment through a Serve handle, cancelling it if the stream is dropped."""
+
+    def __init__(self, handle: Any) -> None:
+        self.handle = handle.options(stream=True)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
+        response = self.handle.generate.remote(request)
+        done = False
+        try:
+            async for chunk in response:
+                yield chunk
+            done = True
+        finally:
+            if not done:
+                response.cancel()
+
+
+def as_api_error(error: BaseException) -> APIError:
+    """Maps an exception from an engine (possibly wrapped by Ray) to the API error to return."""
+    cause = getattr(error, "cause", None) or error
+    if isinstance(error, EngineRequestError):
+        cause = error
+    if isinstance(cause, EngineRequestError):
+        return APIError(cause.message, cause.status_code, cause.error_type, cause.param)
+    name = type(error).__name__
+    if "ActorDied" in name or "ActorUnavailable" in name or "BackPressure" in name:
+        return APIError(f"the model's engine is unavailable ({name}); retry shortly", 503,
+                        "service_unavailable", code="engine_unavailable")
+    logger.exception("request failed in the engine", exc_info=error)
+    return APIError(f"internal error in the engine: {name}: {cause}", 500, "internal_error")
+
+
+def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
+
+
+def _sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+class OpenAIIngress:
+    """The OpenAI-compatible HTTP API over a set of models.
+
+    Args:
+        clients: model name -> client that reaches that model's engines.
+        pool: the pool name reported in routing headers.
+    """
+
+    def __init__(self, clients: dict[str, ModelClient], pool: str = "colocated") -> None:
+        self.clients = clients
+        self.pool = pool
+        self.created = int(time.time())
+
+    def build_app(self) -> FastAPI:
+        """The FastAPI app serving the API."""
+        app = FastAPI(title="fleetserve", description="OpenAI-compatible routed endpoint")
+
+        @app.exception_handler(RequestValidationError)
+        async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
+            return _error_response(self.validation_error(error))
+
+        @app.exception_handler(APIError)
+        async def _api_error(_: Request, error: APIError) -> JSONResponse:
+            return _error_response(error)
+
+        @app.get("/health")
+        async def health() -> dict[str, str]:
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models() -> dict[str, Any]:
+            return {"object": "list", "data": [
+                {"id": name, "object": "model", "created": self.created, "owned_by": "fleetserve"}
+                for name in self.clients]}
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(body: ChatCompletionRequest, raw: Request):
+            return await self.serve_request("chat", body)
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, raw: Request):
+            return await self.serve_request("completion", body)
+
+        return app
+
+    @staticmethod
+    def validation_error(error: RequestValidationError) -> APIError:
+        problems = error.errors()
+        first = problems[0] if problems else {}
+        location = [str(part) for part in first.get("loc", ()) if part != "body"]
+        if first.get("type") == "json_invalid":
+            return APIError(f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
+                            400, param=None)
+        details = "; ".join(
+            f"{'.'.join(str(p) for p in item.get('loc', ()) if p != 'body') or 'body'}: {item.get('msg')}"
+            for item in problems)
+        return APIError(f"invalid request: {details}", 400, param=".".join(location) or None)
+
+    def _client(self, model: str) -> ModelClient:
+        client = self.clients.get(model)
+        if client is None:
+            raise APIError(f"The model `{model}` does not exist. Available models: {', '.join(self.clients)}",
+                           404, "not_found_error", param="model", code="model_not_found")
+        return client
+
+    async def serve_request(self, kind: Literal["chat", "completion"],
+                            body: ChatCompletionRequest | CompletionRequest):
+        """Runs one API request; returns a JSON or an SSE streaming response."""
+        client = self._client(body.model)
+        request_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
+        options = body.sampling_options(default_max_tokens=None if kind == "chat" else 16)
+        engine_request = EngineRequest(
+            request_id=request_id, options=options,
+            messages=body.rendered_messages() if kind == "chat" else None,
+            prompt=body.prompt if kind == "completion" else None)
+        stream = client.generate(engine_request)
+        try:
+            first = await anext(stream)
+        except StopAsyncIteration:
+            raise APIError("the engine returned no output", 500, "internal_error") from None
+        except Exception as error:  # noqa: BLE001 - every engine failure becomes an API error
+            raise as_api_error(error) from None
+        headers = {HEADER_MODEL: body.model, HEADER_REPLICA: first.replica_id, HEADER_POOL: self.pool,
+                   HEADER_REQUEST_ID: request_id}
+        builder = ResponseBuilder(kind, body.model, request_id)
+        if body.stream:
+            return StreamingResponse(self._sse_stream(builder, first, stream, body.include_usage),
+                                     media_type="text/event-stream", headers=headers)
+        deltas = [first.delta]
+        try:
+            async for chunk in stream:
+                deltas.append(chunk.delta)
+        except Exception as error:  # noqa: BLE001
+            return _error_response(as_api_error(error), headers)
+        return JSONResponse(builder.full(deltas), headers=headers)
+
+    async def _sse_stream(self, builder: ResponseBuilder, first: EngineChunk,
+                          stream: AsyncIterator[EngineChunk], include_usage: bool) -> AsyncIterator[bytes]:
+        try:
+            payload = builder.chunk(first.delta)
+            if payload is not None:
+                yield _sse(payload)
+            async for chunk in stream:
+                payload = builder.chunk(chunk.delta)
+                if payload is not None:
+                    yield _sse(payload)
+        except asyncio.CancelledError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the client gets an error event, never silence
+            yield _sse(as_api_error(error).body())
+        finally:
+            # A client that went away cancels this generator; closing the engine stream aborts the request.
+            await stream.aclose()
+        if include_usage:
+            yield _sse(builder.usage_chunk())
+        yield b"data: [DONE]\n\n"
+
+
+@serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+@serve.ingress()
+class IngressDeployment(OpenAIIngress):
+    """Ray Serve replica of the ingress; each model is reached through its engine deployment's handle."""
+
+    def __init__(self, engine_handles: dict[str, Any]) -> None:
+        super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()})
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        return self.build_app()
