@@ -50,14 +50,17 @@ class EngineArgs(_Strict):
     # Any other AsyncEngineArgs field; checked against vLLM when the engine is built.
     extra: dict[str, Any] = Field(default_factory=dict)
 
+    @field_validator("extra")
+    @classmethod
+    def _extra_is_not_typed(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        overlap = sorted(set(extra) & (set(cls.model_fields) - {"extra"}))
+        if overlap:
+            raise ValueError(f"repeats typed keys {overlap}; set them directly under engine_args")
+        return extra
+
     def to_vllm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``vllm.AsyncEngineArgs``; unset optional fields are left out."""
-        kwargs = self.model_dump(exclude={"extra"}, exclude_none=True)
-        overlap = set(kwargs) & set(self.extra)
-        if overlap:
-            raise ConfigError(f"engine_args.extra repeats typed keys {sorted(overlap)}; set them directly")
-        kwargs.update(self.extra)
-        return kwargs
+        return {**self.model_dump(exclude={"extra"}, exclude_none=True), **self.extra}
 
 
 class Resources(_Strict):

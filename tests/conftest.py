@@ -1,0 +1,210 @@
+"""Shared fixtures. One Ray cluster and one Serve app with two real engines serve the whole suite."""
+
+from __future__ import annotations
+
+import socket
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+from fleetserve.platform.config import PlatformConfig, parse_config
+from fleetserve.platform.shm import remove_orphaned_segments
+from fleetserve.platform.stats import EngineStats
+
+MiB = 1024 * 1024
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    # Earlier runs may have left vLLM segments behind; they would pile up on CI machines.
+    remove_orphaned_segments()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def model_entry(name: str = "tiny", source: str = "tiny-random-llama", **engine_args: Any) -> dict[str, Any]:
+    """A model config entry with tiny defaults: float32 (reproducible greedy output), short context."""
+    args = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * MiB, "max_num_seqs": 32}
+    args.update(engine_args)
+    return {"name": name, "source": source, "engine_args": args}
+
+
+# The suite's shared app: the tiny model on core 0, SmolLM2 on core 1.
+SERVED_CONFIG = parse_config({"models": [
+    {**model_entry("tiny"), "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]}},
+    {**model_entry("smollm2", "smollm2-135m-instruct", max_model_len=2048, kv_cache_memory_bytes=128 * MiB),
+     "resources": {"num_cpus": 0.1, "cpu_binding": ["1"]}},
+]})
+
+
+@dataclass
+class Served:
+    """The running app: where it listens and how to read its engines' stats."""
+
+    base_url: str
+    config: PlatformConfig
+    handles: dict[str, Any]
+
+    @property
+    def api_url(self) -> str:
+        return f"{self.base_url}/v1"
+
+    def stats(self, model: str) -> EngineStats:
+        return self.handles[model].stats.remote().result()
+
+    def wait_idle(self, model: str, timeout_s: float = 30.0) -> EngineStats:
+        """Polls the engine until nothing runs or waits; returns the idle stats (or the last seen)."""
+        deadline = time.monotonic() + timeout_s
+        stats = self.stats(model)
+        while time.monotonic() < deadline:
+            if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0:
+                return stats
+            time.sleep(0.2)
+            stats = self.stats(model)
+        return stats
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=4)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def served(ray_cluster) -> Served:
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(SERVED_CONFIG), name="fleetserve", route_prefix="/")
+    handles = {model.name: serve.get_deployment_handle(model.deployment_name, "fleetserve")
+               for model in SERVED_CONFIG.models}
+    yield Served(base_url=f"http://127.0.0.1:{port}", config=SERVED_CONFIG, handles=handles)
+    serve.shutdown()
+
+
+class FakeTokenizer:
+    """Whitespace tokenizer over a fixed vocabulary: token id i is the word ``w{i}``."""
+
+    def __init__(self, vocab_size: int = 1000) -> None:
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [hash(word) % self.vocab_size for word in text.split()]
+
+
+class FakeEngine:
+    """Injected in place of ``Engine`` for serving-logic tests: emits ``w0 w1 ...`` on a fixed schedule.
+
+    ``first_token_s`` is the delay before the first token, ``token_interval_s`` between tokens.
+    """
+
+    first_token_s = 0.0
+    token_interval_s = 0.0
+    max_model_len = 64
+
+    def __init__(self) -> None:
+        self.tokenizer = FakeTokenizer()
+        self.aborted: list[str] = []
+        self.running: set[str] = set()
+        self.num_finished = 0
+
+    @classmethod
+    def create(cls, model, model_path, cpu_binding=None) -> FakeEngine:
+        return cls()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def render_chat(self, messages) -> list[int]:
+        return self.encode(" ".join(message["content"] for message in messages))
+
+    async def generate(self, prompt_ids, options, request_id):
+        import asyncio
+
+        from fleetserve.platform.engine import Engine, GenerationDelta
+
+        max_tokens = Engine.check_length(self, len(prompt_ids), options.max_tokens)
+        self.running.add(request_id)
+        finished = False
+        try:
+            await asyncio.sleep(self.first_token_s)
+            for index in range(max_tokens):
+                if index:
+                    await asyncio.sleep(self.token_interval_s)
+                word = f"w{index}"
+                if word in options.stop:
+                    finished = True
+                    yield GenerationDelta("", [], "stop", word, len(prompt_ids))
+                    return
+                last = index == max_tokens - 1
+                finished = last
+                yield GenerationDelta(f" {word}" if index else word, [index], "length" if last else None,
+                                      None, len(prompt_ids))
+        finally:
+            self.running.discard(request_id)
+            self.num_finished += 1
+            if not finished:
+                self.aborted.append(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(num_running=len(self.running), num_finished=self.num_finished)
+
+    async def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_engine_cls():
+    return FakeEngine
+
+
+class LoopbackServer:
+    """Runs an ASGI app under uvicorn on a free loopback port, in a background thread."""
+
+    def __init__(self, app) -> None:
+        import threading
+
+        import uvicorn
+
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+
+    def __enter__(self) -> LoopbackServer:
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self._server.started:
+            if time.monotonic() > deadline:
+                raise RuntimeError("loopback server did not start")
+            time.sleep(0.01)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout=10)
+
+
+@pytest.fixture
+def loopback_server():
+    return LoopbackServer

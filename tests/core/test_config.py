@@ -1,0 +1,71 @@
+"""Platform config: valid files load; every error names its key and what was expected."""
+
+from pathlib import Path
+
+import pytest
+
+from fleetserve.platform.config import ConfigError, default_config, load_config, parse_config
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_examples_load():
+    names = {path.name: load_config(path) for path in EXAMPLES.glob("*.yaml")}
+    assert {"tiny.yaml", "two-models.yaml"} <= set(names)
+    assert [model.name for model in names["two-models.yaml"].models] == ["smollm2", "tiny"]
+
+
+def test_default_config_serves_smollm2():
+    config = default_config()
+    assert [model.source for model in config.models] == ["smollm2-135m-instruct"]
+    assert (config.server.host, config.server.port) == ("127.0.0.1", 8000)
+
+
+def test_engine_args_pass_through_to_vllm_kwargs():
+    config = parse_config({"models": [{"name": "m", "source": "x", "engine_args": {
+        "max_model_len": 512, "max_num_seqs": 4, "extra": {"enforce_eager": True}}}]})
+    kwargs = config.models[0].engine_args.to_vllm_kwargs()
+    # Unset optional fields (block_size, quantization, ...) are left to vLLM's defaults.
+    assert kwargs["max_model_len"] == 512 and kwargs["max_num_seqs"] == 4 and kwargs["enforce_eager"] is True
+    assert "block_size" not in kwargs and "quantization" not in kwargs
+
+
+def test_deployment_options_come_from_config():
+    config = parse_config({"models": [{"name": "m", "source": "x", "replicas": 3,
+                                       "resources": {"num_cpus": 2, "num_gpus": 1}}]})
+    options = config.models[0].deployment_options()
+    assert options["name"] == "engine-m" and options["num_replicas"] == 3
+    assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    ({"models": [{"name": "m", "source": "x", "engine_args": {"max_model_lenn": 5}}]},
+     "models.0.engine_args.max_model_lenn: unknown key"),
+    ({"models": [{"name": "m", "source": "x", "engine_args": {"dtype": "fp7"}}]},
+     "models.0.engine_args.dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32' (got 'fp7')"),
+    ({"models": [{"name": "m", "source": "x", "replicas": 0}]},
+     "models.0.replicas: Input should be greater than or equal to 1 (got 0)"),
+    ({"models": [{"source": "x"}]}, "models.0.name: required key is missing"),
+    ({"models": []}, "models: List should have at least 1 item"),
+    ({"models": [{"name": "bad name", "source": "x"}]}, "models.0.name: Value error, expected 1-64 characters"),
+    ({"models": [{"name": "m", "source": "x"}, {"name": "m", "source": "y"}]}, "model name 'm' appears twice"),
+    ([1, 2], "expected a mapping with a 'models' list"),
+])
+def test_invalid_config_names_the_key(data, expected):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data)
+    assert expected in str(caught.value)
+
+
+def test_missing_file_and_bad_yaml_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read platform config"):
+        load_config(tmp_path / "absent.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("models: [\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(bad)
+
+
+def test_extra_may_not_repeat_typed_keys():
+    with pytest.raises(ConfigError, match=r"models.0.engine_args.extra: Value error, repeats typed keys \['max_model_len'\]"):
+        parse_config({"models": [{"name": "m", "source": "x", "engine_args": {"extra": {"max_model_len": 5}}}]})

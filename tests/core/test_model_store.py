@@ -1,0 +1,66 @@
+"""Model store: packaged ids, folders and GGUF files resolve to loadable HF folders; bad sources are clear."""
+
+import json
+
+import pytest
+
+from fleetserve.platform import model_store
+from fleetserve.platform.model_store import ModelSourceError, resolve_source
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLEETSERVE_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_tiny_random_llama_is_built_once_and_loads(cache):
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = resolve_source("tiny-random-llama")
+    assert folder.parent.parent == cache
+    mtime = (folder / "model.safetensors").stat().st_mtime
+    assert resolve_source("tiny-random-llama") == folder  # cached: not rebuilt
+    assert (folder / "model.safetensors").stat().st_mtime == mtime
+    config = AutoConfig.from_pretrained(folder)
+    assert (config.head_dim, config.num_hidden_layers) == (64, 2)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    text = "Return the number of items in a container."
+    assert tokenizer.decode(tokenizer.encode(text)) == text  # byte-level BPE round-trips
+    chat = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True,
+                                         tokenize=False)
+    assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tiny_build_is_deterministic(tmp_path):
+    for name in ("a", "b"):
+        (tmp_path / name).mkdir()
+        model_store.build_tiny_random_llama(tmp_path / name)
+    assert model_store.file_sha256(tmp_path / "a" / "model.safetensors") == \
+        model_store.file_sha256(tmp_path / "b" / "model.safetensors")
+    assert (tmp_path / "a" / "tokenizer.json").read_text() == (tmp_path / "b" / "tokenizer.json").read_text()
+
+
+def test_smollm2_gguf_converts_to_dense_bf16_with_chat_template():
+    folder = resolve_source("smollm2-135m-instruct")  # cached across runs by the GGUF's hash
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["num_hidden_layers"] == 30 and config["hidden_size"] == 576
+    # 134.5M parameters x 2 bytes (bf16), tied embeddings stored once.
+    assert 260e6 < (folder / "model.safetensors").stat().st_size < 280e6
+    assert "im_start" in (folder / "chat_template.jinja").read_text()
+
+
+def test_hf_folder_is_used_in_place(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_source(str(tmp_path)) == tmp_path
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda p: p / "nothing-here", "not found: expected a HF folder, a .gguf file, or one of the packaged ids"),
+    (lambda p: p, "has no config.json"),
+    (lambda p: (p / "weights.bin").write_text("x") and p / "weights.bin", "is a file but not a .gguf"),
+])
+def test_bad_sources_say_what_was_expected(tmp_path, make, message):
+    with pytest.raises(ModelSourceError, match=message):
+        resolve_source(str(make(tmp_path)))
