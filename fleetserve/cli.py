@@ -82,5 +82,170 @@ def serve(
     console.print("[green]stopped cleanly[/]")
 
 
+bench_app = typer.Typer(help="Load-test any OpenAI-compatible endpoint (fleetserve, vLLM, ...).",
+                        pretty_exceptions_enable=False)
+app.add_typer(bench_app, name="bench")
+
+
+def _load_tokenizer(source: Optional[str]):
+    if not source:
+        return None
+    from transformers import AutoTokenizer
+
+    from fleetserve.platform.model_store import resolve_source
+
+    return AutoTokenizer.from_pretrained(str(resolve_source(source)))
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        rates = [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise typer.BadParameter("expected a number, 'inf', or a comma-separated list of them") from None
+    if not rates or any(rate <= 0 for rate in rates):
+        raise typer.BadParameter("rates must be positive")
+    return rates
+
+
+@bench_app.callback(invoke_without_command=True)
+def bench(
+    ctx: typer.Context,
+    base_url: Annotated[Optional[str], typer.Option(help="Server URL, e.g. http://127.0.0.1:8000 (/v1 optional).")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model name to request.")] = None,
+    api: Annotated[str, typer.Option(help="chat or completions.")] = "completions",
+    dataset_name: Annotated[str, typer.Option(help="random, shared-prefix, sharegpt or jsonl.")] = "random",
+    dataset_path: Annotated[Optional[Path], typer.Option(help="File for sharegpt / jsonl.")] = None,
+    num_prompts: Annotated[int, typer.Option(min=1)] = 100,
+    max_seconds: Annotated[Optional[float], typer.Option(help="Stop sending after this long.")] = None,
+    request_rate: Annotated[str, typer.Option(help="Requests/s: a number, inf, or a sweep list like 1,2,4,inf.")] = "inf",
+    burstiness: Annotated[float, typer.Option(help="Gamma shape of arrivals; 1.0 is Poisson, lower is burstier.")] = 1.0,
+    max_concurrency: Annotated[Optional[int], typer.Option(min=1)] = None,
+    seed: int = 0,
+    num_warmups: Annotated[int, typer.Option(min=0)] = 0,
+    random_input_len: int = 128,
+    random_output_len: int = 64,
+    random_range_ratio: float = 0.0,
+    random_prefix_len: int = 0,
+    shared_prefix_groups: int = 4,
+    shared_prefix_len: int = 256,
+    shared_suffix_len: int = 32,
+    shared_output_len: int = 32,
+    output_len: Annotated[Optional[int], typer.Option(help="Override output length for sharegpt/jsonl.")] = None,
+    ignore_eos: Annotated[bool, typer.Option(help="Generate exactly max_tokens (vLLM's ignore_eos).")] = False,
+    tokenizer: Annotated[Optional[str], typer.Option(help="HF folder or packaged id for exact prompt lengths.")] = None,
+    metric_percentiles: str = "50,90,99",
+    goodput: Annotated[Optional[list[str]], typer.Option(help="SLO as KEY:MS (ttft, tpot, e2el); repeatable.")] = None,
+    save_result: Annotated[Optional[Path], typer.Option(help="Write results as JSON (schema in docs/bench.md).")] = None,
+    save_detailed: Annotated[bool, typer.Option(help="Include per-request records in the JSON.")] = False,
+    plot: Annotated[Optional[Path], typer.Option(help="Directory for PNG plots.")] = None,
+    timeout: Annotated[float, typer.Option(help="Per-request timeout in seconds.")] = 600.0,
+) -> None:
+    """Run a benchmark: fleetserve bench --base-url URL --model NAME [options]."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if not base_url or not model:
+        console.print("[red]error:[/] --base-url and --model are required (or use: fleetserve bench compare A.json B.json)")
+        raise typer.Exit(2)
+    import asyncio
+    import random
+
+    from fleetserve.loadtest import datasets
+    from fleetserve.loadtest.metrics import parse_goodput, parse_percentiles
+    from fleetserve.loadtest.report import plot_run, plot_sweep, save_results, summary_table
+    from fleetserve.loadtest.runner import BenchConfig, BenchError, run_benchmark
+
+    if api not in ("chat", "completions"):
+        raise typer.BadParameter("--api must be chat or completions")
+    try:
+        percentiles = parse_percentiles(metric_percentiles)
+        slos = parse_goodput(goodput or [])
+        maker = datasets.PromptMaker(_load_tokenizer(tokenizer), random.Random(seed))
+        if dataset_name == "random":
+            specs = datasets.random_dataset(num_prompts, random_input_len, random_output_len, random_range_ratio,
+                                            random_prefix_len, maker)
+        elif dataset_name == "shared-prefix":
+            specs = datasets.shared_prefix_dataset(num_prompts, shared_prefix_groups, shared_prefix_len,
+                                                   shared_suffix_len, shared_output_len, maker)
+        elif dataset_name in ("sharegpt", "jsonl"):
+            if dataset_path is None:
+                raise datasets.DatasetError(f"--dataset-name {dataset_name} needs --dataset-path")
+            specs = (datasets.sharegpt_dataset(dataset_path, num_prompts, maker, output_len)
+                     if dataset_name == "sharegpt" else
+                     datasets.jsonl_dataset(dataset_path, num_prompts, maker, output_len or random_output_len))
+        else:
+            raise datasets.DatasetError("--dataset-name must be random, shared-prefix, sharegpt or jsonl")
+    except ValueError as error:
+        console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
+    described = {key: value for key, value in ctx.params.items() if key.startswith(("dataset", "random_", "shared_"))
+                 or key in ("num_prompts", "output_len", "tokenizer")}
+    results = []
+    for rate in _rates(request_rate):
+        config = BenchConfig(base_url=base_url, model=model, api=api, request_rate=rate, burstiness=burstiness,
+                             max_concurrency=max_concurrency, num_warmups=num_warmups, max_seconds=max_seconds,
+                             seed=seed, ignore_eos=ignore_eos, percentiles=percentiles, goodput=slos,
+                             timeout_s=timeout, dataset={k: str(v) if isinstance(v, Path) else v
+                                                         for k, v in described.items()})
+        try:
+            result = asyncio.run(_run_with_progress(config, specs))
+        except BenchError as error:
+            console.print(f"[red]error:[/] {error}")
+            raise typer.Exit(1) from None
+        results.append(result)
+        console.print(summary_table(result))
+        if plot:
+            name = "bench" if len(_rates(request_rate)) == 1 else f"rate-{rate:g}"
+            for path in plot_run(result, plot, name):
+                console.print(f"plot: {path}")
+        if result.interrupted:
+            break
+    if plot and len(results) > 1:
+        console.print(f"plot: {plot_sweep(results, plot)}")
+    if save_result:
+        save_results(save_result, results, save_detailed)
+        console.print(f"saved {save_result}")
+    if results and results[-1].interrupted:
+        raise typer.Exit(130)
+
+
+async def _run_with_progress(config, specs):
+    import asyncio
+    import signal as signal_module
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from fleetserve.loadtest.runner import run_benchmark
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    loop.add_signal_handler(signal_module.SIGINT, stop.set)
+    failures = 0
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(), console=console) as progress:
+        task = progress.add_task(f"{config.model} @ {config.request_rate:g} req/s", total=len(specs), failed=0)
+
+        def done(record) -> None:
+            nonlocal failures
+            failures += not record.ok
+            progress.update(task, advance=1, failed=failures)
+
+        try:
+            return await run_benchmark(config, specs, stop, done)
+        finally:
+            loop.remove_signal_handler(signal_module.SIGINT)
+
+
+@bench_app.command("compare")
+def bench_compare(files: Annotated[list[Path], typer.Argument(help="Result files from --save-result.")]) -> None:
+    """Show results side by side, with ratios to the first."""
+    from fleetserve.loadtest.report import compare_table
+
+    try:
+        console.print(compare_table(files))
+    except ValueError as error:
+        console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
+
+
 if __name__ == "__main__":
     app()

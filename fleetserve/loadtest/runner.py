@@ -1,0 +1,162 @@
+"""Runs a benchmark: sends a workload on an arrival schedule and collects per-request records."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+import numpy as np
+
+from fleetserve.loadtest.arrivals import inter_arrival_times
+from fleetserve.loadtest.client import Api, RequestRecord, build_payload, send_request
+from fleetserve.loadtest.datasets import RequestSpec
+from fleetserve.loadtest.metrics import compute_metrics, timeline
+
+
+class BenchError(RuntimeError):
+    """The benchmark cannot run (unreachable server, unknown model); the message says why."""
+
+
+@dataclass
+class BenchConfig:
+    """How to load the endpoint. Stored with every result so a run can be reproduced."""
+
+    base_url: str
+    model: str
+    api: Api = "completions"
+    # Requests per second; math.inf sends everything at once.
+    request_rate: float = math.inf
+    # Gamma shape of inter-arrival times: 1.0 is Poisson, lower is burstier.
+    burstiness: float = 1.0
+    # Most requests in flight at once; None: no limit.
+    max_concurrency: int | None = None
+    num_warmups: int = 0
+    # Stop sending new requests after this long; in-flight requests still finish.
+    max_seconds: float | None = None
+    seed: int = 0
+    ignore_eos: bool = False
+    percentiles: list[float] = field(default_factory=lambda: [50.0, 90.0, 99.0])
+    # SLOs in ms for request goodput, e.g. {"ttft": 500}.
+    goodput: dict[str, float] = field(default_factory=dict)
+    # Per-request timeout.
+    timeout_s: float = 600.0
+    # Describes the workload (dataset name and parameters), for the record.
+    dataset: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def v1_url(self) -> str:
+        base = self.base_url.rstrip("/")
+        return base if base.endswith("/v1") else f"{base}/v1"
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.v1_url}/{'chat/completions' if self.api == 'chat' else 'completions'}"
+
+
+@dataclass
+class RunResult:
+    """One benchmark run: its config, figures, and (optionally kept) per-request records."""
+
+    config: BenchConfig
+    metrics: dict[str, Any]
+    records: list[RequestRecord]
+    # True when Ctrl-C stopped the run early; figures cover the requests that finished.
+    interrupted: bool = False
+    started_at: float = 0.0
+
+    def to_dict(self, detailed: bool) -> dict[str, Any]:
+        config = asdict(self.config)
+        config["request_rate"] = "inf" if math.isinf(self.config.request_rate) else self.config.request_rate
+        data: dict[str, Any] = {
+            "config": config, "metrics": self.metrics, "interrupted": self.interrupted,
+            "started_at": self.started_at, "num_requests_sent": len(self.records),
+            "errors": dict(Counter(record.error.split("\n")[0][:200] for record in self.records if record.error)),
+            "routing": {name: dict(Counter(record.routing[name] for record in self.records if name in record.routing))
+                        for name in sorted({key for record in self.records for key in record.routing})},
+            "timeline": timeline(self.records),
+        }
+        if detailed:
+            data["records"] = [record.to_dict() for record in self.records]
+        return data
+
+
+async def preflight(config: BenchConfig, http: httpx.AsyncClient) -> None:
+    """Fails fast, with a clear message, when the server is unreachable or lacks the model."""
+    url = f"{config.v1_url}/models"
+    try:
+        response = await http.get(url, timeout=5.0)
+    except httpx.HTTPError as error:
+        raise BenchError(f"cannot reach {url}: {type(error).__name__}: {error or 'no response'}") from None
+    if response.status_code != 200:
+        return  # some servers have no /models; the requests themselves will tell
+    served = [item.get("id") for item in response.json().get("data", [])]
+    if served and config.model not in served:
+        raise BenchError(f"model {config.model!r} is not served at {config.v1_url}; it serves: {', '.join(served)}")
+
+
+async def run_benchmark(config: BenchConfig, specs: Sequence[RequestSpec], stop: asyncio.Event | None = None,
+                        on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
+    """Sends ``specs`` on the configured schedule; returns when all finish or ``stop`` is set.
+
+    Raises:
+        BenchError: the server is unreachable or does not serve the model.
+    """
+    stop = stop or asyncio.Event()
+    limits = httpx.Limits(max_connections=config.max_concurrency or None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s, connect=10.0), limits=limits) as http:
+        await preflight(config, http)
+        for spec in specs[:config.num_warmups]:
+            payload = build_payload(spec, config.api, config.model, config.ignore_eos)
+            await send_request(http, config.endpoint, payload, config.api, time.perf_counter())
+        return await _dispatch(config, specs, http, stop, on_done)
+
+
+async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: httpx.AsyncClient,
+                    stop: asyncio.Event, on_done: Callable[[RequestRecord], None] | None) -> RunResult:
+    delays = inter_arrival_times(len(specs), config.request_rate, config.burstiness, config.seed)
+    slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
+    records: list[RequestRecord] = []
+    started_at = time.time()
+    run_start = time.perf_counter()
+    deadline = run_start + config.max_seconds if config.max_seconds else math.inf
+
+    async def one(spec: RequestSpec) -> None:
+        payload = build_payload(spec, config.api, config.model, config.ignore_eos)
+        if slots is None:
+            record = await send_request(http, config.endpoint, payload, config.api, run_start, spec)
+        else:
+            async with slots:
+                record = await send_request(http, config.endpoint, payload, config.api, run_start, spec)
+        records.append(record)
+        if on_done:
+            on_done(record)
+
+    tasks: list[asyncio.Task] = []
+    # Absolute send times: sleeping each gap in turn would add every wake-up's overshoot to the next.
+    for spec, send_at in zip(specs, run_start + np.cumsum(delays), strict=True):
+        wait = send_at - time.perf_counter()
+        if wait > 0:
+            try:
+                await asyncio.wait_for(stop.wait(), timeout=float(wait))
+            except TimeoutError:
+                pass
+        if stop.is_set() or time.perf_counter() >= deadline:
+            break
+        tasks.append(asyncio.create_task(one(spec)))
+    pending = set(tasks)
+    while pending and not stop.is_set():
+        _, pending = await asyncio.wait(pending, timeout=0.2)
+    for task in pending:  # interrupted: drop what is still in flight
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    finished = max((record.start + (record.e2el or 0.0) for record in records), default=0.0)
+    duration = finished if records else time.perf_counter() - run_start
+    metrics = compute_metrics(records, duration, config.percentiles, config.goodput or None)
+    return RunResult(config, metrics, sorted(records, key=lambda record: record.start),
+                     interrupted=stop.is_set(), started_at=started_at)

@@ -1,0 +1,221 @@
+"""fleetserve bench: its clock, arrival process, goodput arithmetic and failure handling."""
+
+import json
+import math
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+
+from fleetserve.loadtest import datasets
+from fleetserve.loadtest.arrivals import inter_arrival_times
+from fleetserve.loadtest.client import RequestRecord
+from fleetserve.loadtest.metrics import compute_metrics, meets_slos, parse_goodput
+from fleetserve.loadtest.runner import BenchConfig, BenchError, run_benchmark
+
+FIRST_MS, ITL_MS = 200.0, 20.0
+SERVER_SCRIPT = Path(__file__).with_name("schedule_server.py")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_schedule_server(first_ms: float, itl_ms: float):
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, str(SERVER_SCRIPT), "--port", str(port), "--first-ms", str(first_ms),
+                                "--itl-ms", str(itl_ms)])
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/v1/models", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    process.kill()
+    raise RuntimeError("schedule server did not start")
+
+
+@pytest.fixture(scope="module")
+def schedule_url():
+    process, url = start_schedule_server(FIRST_MS, ITL_MS)
+    yield url
+    process.terminate()
+    process.wait(timeout=10)
+
+
+def specs(num: int, max_tokens: int, prompt: str = "hello world") -> list[datasets.RequestSpec]:
+    return [datasets.RequestSpec(prompt, 2, max_tokens) for _ in range(num)]
+
+
+@pytest.mark.parametrize("api", ["completions", "chat"])
+async def test_timing_matches_the_known_schedule(schedule_url, api):
+    # Warm-ups take the cold path (new connections, the server's first requests: ~30 ms) out of the figures.
+    config = BenchConfig(base_url=schedule_url, model="schedule", api=api, max_concurrency=8, num_warmups=4)
+    result = await run_benchmark(config, specs(16, max_tokens=11))
+    metrics = result.metrics
+    assert (metrics["completed"], metrics["failed"]) == (16, 0)
+    # Tolerance: 15 ms on a 200 ms TTFT and 5 ms on a 20 ms gap (loopback, Python on both ends, 2 cores).
+    assert metrics["median_ttft_ms"] == pytest.approx(FIRST_MS, abs=15)
+    assert metrics["median_itl_ms"] == pytest.approx(ITL_MS, abs=5)
+    assert metrics["median_tpot_ms"] == pytest.approx(ITL_MS, abs=5)
+    # E2EL = 200 + 10 gaps x 20 = 400 ms.
+    assert metrics["median_e2el_ms"] == pytest.approx(400, abs=25)
+    # Two waves of 8 (max_concurrency) of 400 ms: 16 x 11 tokens in ~0.8 s = 220 tok/s.
+    assert metrics["output_throughput"] == pytest.approx(16 * 11 / 0.8, rel=0.10)
+    assert metrics["total_output_tokens"] == 16 * 11 and metrics["total_input_tokens"] == 16 * 2
+    assert all(record.usage_from_server and record.routing == {"x-fleetserve-replica": "sched-0"}
+               for record in result.records)
+
+
+async def test_request_rate_spaces_arrivals(schedule_url):
+    config = BenchConfig(base_url=schedule_url, model="schedule", request_rate=20.0, burstiness=1.0, seed=3)
+    result = await run_benchmark(config, specs(40, max_tokens=2))
+    starts = [record.start for record in result.records]
+    expected = np.cumsum(inter_arrival_times(40, 20.0, 1.0, seed=3))
+    # Each request leaves within 20 ms of its scheduled time.
+    assert np.max(np.abs(np.array(starts) - expected)) < 0.02
+
+
+@pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
+def test_arrival_statistics(burstiness):
+    gaps = inter_arrival_times(40_000, request_rate=5.0, burstiness=burstiness, seed=1)
+    # Mean 1/rate = 0.2 s; gamma's coefficient of variation is 1/sqrt(shape).
+    assert gaps.mean() == pytest.approx(0.2, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1 / math.sqrt(burstiness), rel=0.03)
+
+
+def test_infinite_rate_sends_everything_at_once():
+    assert inter_arrival_times(5, math.inf).tolist() == [0.0] * 5
+
+
+def record(ttft: float, e2el: float, tokens: int, ok: bool = True) -> RequestRecord:
+    return RequestRecord(ok=ok, ttft=ttft, e2el=e2el, output_tokens=tokens, prompt_tokens=10)
+
+
+def test_goodput_counts_requests_meeting_every_slo():
+    records = [
+        record(0.1, 1.0, 10),             # tpot (1.0-0.1)/9 = 100 ms: meets ttft 200 and tpot 100
+        record(0.1, 1.9, 10),             # tpot 200 ms: misses tpot
+        record(0.3, 0.4, 2),              # ttft 300 ms: misses ttft
+        record(0.05, 0.05, 1),            # one token: tpot is not defined, counts as met
+        record(0.1, 1.0, 10, ok=False),   # failed requests never count
+    ]
+    slos = parse_goodput(["ttft:200", "tpot:100"])
+    assert [meets_slos(r, slos) for r in records] == [True, False, False, True, False]
+    metrics = compute_metrics(records, duration_s=2.0, percentiles=[50], goodput_slos=slos)
+    assert metrics["request_goodput"] == 2 / 2.0  # 2 good requests over 2 s
+    assert (metrics["completed"], metrics["failed"]) == (4, 1)
+    # TPOT over requests with 2+ tokens: 100, 200 and 100 ms -> mean 133.3.
+    assert metrics["mean_tpot_ms"] == pytest.approx(400 / 3)
+
+
+@pytest.mark.parametrize("bad", [["ttfb:100"], ["ttft:x"], ["ttft:-5"]])
+def test_goodput_rejects_bad_slos(bad):
+    with pytest.raises(ValueError):
+        parse_goodput(bad)
+
+
+async def test_failed_requests_are_counted_and_do_not_stop_the_run(schedule_url):
+    workload = specs(6, 3) + specs(3, 3, prompt="please FAIL")
+    result = await run_benchmark(BenchConfig(base_url=schedule_url, model="schedule"), workload)
+    assert (result.metrics["completed"], result.metrics["failed"]) == (6, 3)
+    assert result.to_dict(detailed=False)["errors"] == {
+        'HTTP 500: {"error":{"message":"asked to fail","type":"internal_error"}}': 3}
+
+
+async def test_unknown_model_and_unreachable_server_fail_fast(schedule_url):
+    with pytest.raises(BenchError, match="model 'nope' is not served .* it serves: schedule"):
+        await run_benchmark(BenchConfig(base_url=schedule_url, model="nope"), specs(1, 1))
+    started = time.monotonic()
+    with pytest.raises(BenchError, match=r"cannot reach http://127.0.0.1:9/v1/models"):
+        await run_benchmark(BenchConfig(base_url="http://127.0.0.1:9", model="x"), specs(1, 1))
+    assert time.monotonic() - started < 10
+
+
+def test_datasets_have_the_asked_shapes(tmp_path):
+    maker = datasets.PromptMaker(None, random.Random(0))
+    rows = datasets.random_dataset(50, input_len=100, output_len=20, range_ratio=0.5, prefix_len=10, maker=maker)
+    assert all(60 <= row.prompt_len <= 160 and 10 <= row.max_tokens <= 30 for row in rows)  # 10 + [50, 150]
+    prefixed = datasets.shared_prefix_dataset(12, num_groups=3, prefix_len=40, suffix_len=5, output_len=8, maker=maker)
+    by_group = {}
+    for row in prefixed:
+        by_group.setdefault(row.group_id, set()).add(" ".join(row.prompt.split()[:40]))
+    assert sorted(by_group) == [0, 1, 2] and all(len(prefixes) == 1 for prefixes in by_group.values())
+    assert len({next(iter(prefixes)) for prefixes in by_group.values()}) == 3
+    lines = tmp_path / "w.jsonl"
+    lines.write_text('{"prompt": "a b c", "max_tokens": 7}\n{"prompt": "d"}\n')
+    assert [(r.prompt, r.max_tokens) for r in datasets.jsonl_dataset(lines, 3, maker, 5)] == [
+        ("a b c", 7), ("d", 5), ("a b c", 7)]
+    share = tmp_path / "sg.json"
+    share.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi there"},
+                                                    {"from": "gpt", "value": "one two three"}]}]))
+    assert [(r.prompt, r.prompt_len, r.max_tokens) for r in datasets.sharegpt_dataset(share, 1, maker)] == [
+        ("hi there", 2, 3)]
+    with pytest.raises(datasets.DatasetError, match="expected a JSON object with a 'prompt'"):
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text("[1]\n")
+        datasets.jsonl_dataset(bad, 1, maker, 5)
+
+
+def test_tokenizer_gives_exact_prompt_lengths():
+    from transformers import AutoTokenizer
+
+    from fleetserve.platform.model_store import resolve_source
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_source("tiny-random-llama")))
+    maker = datasets.PromptMaker(tokenizer, random.Random(0))
+    for length in (1, 17, 100):
+        assert len(tokenizer.encode(maker.text(length), add_special_tokens=False)) == length
+
+
+def run_cli(*args: str, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fleetserve.cli", "bench", *args], capture_output=True, text=True,
+                          timeout=300, **kwargs)
+
+
+def test_cli_sweep_saves_plots_and_compares(schedule_url, tmp_path):
+    done = run_cli("--base-url", schedule_url, "--model", "schedule", "--num-prompts", "12", "--request-rate", "20,inf",
+                   "--random-output-len", "5", "--save-result", str(tmp_path / "sweep.json"), "--save-detailed",
+                   "--plot", str(tmp_path / "plots"), "--goodput", "ttft:300")
+    assert done.returncode == 0, done.stderr
+    assert "Time to First Token" in done.stderr and "Request goodput (req/s)" in done.stderr
+    document = json.loads((tmp_path / "sweep.json").read_text())
+    assert document["schema_version"] == 1 and [run["config"]["request_rate"] for run in document["runs"]] == [20.0, "inf"]
+    assert len(document["runs"][0]["records"]) == 12 and document["runs"][0]["metrics"]["completed"] == 12
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "rate-20-distributions.png", "rate-20-timeline.png", "rate-inf-distributions.png", "rate-inf-timeline.png",
+        "sweep.png"]
+    compared = subprocess.run([sys.executable, "-m", "fleetserve.cli", "bench", "compare", str(tmp_path / "sweep.json")],
+                              capture_output=True, text=True, timeout=60)
+    assert compared.returncode == 0 and "sweep@20.0" in compared.stderr and "sweep@inf" in compared.stderr
+
+
+def test_ctrl_c_prints_and_saves_partial_results(tmp_path):
+    process_server, url = start_schedule_server(first_ms=50, itl_ms=50)
+    try:
+        bench = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "bench", "--base-url", url, "--model",
+                                  "schedule", "--num-prompts", "200", "--request-rate", "10", "--random-output-len",
+                                  "10", "--save-result", str(tmp_path / "partial.json")],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(4)
+        bench.send_signal(signal.SIGINT)
+        _, stderr = bench.communicate(timeout=60)
+    finally:
+        process_server.terminate()
+    assert bench.returncode == 130
+    assert "(interrupted)" in stderr
+    run = json.loads((tmp_path / "partial.json").read_text())["runs"][0]
+    # About 10 req/s for ~4 s, minus start-up: some, not all, of the 200 were sent and finished.
+    assert run["interrupted"] is True and 5 <= run["metrics"]["completed"] < 200
