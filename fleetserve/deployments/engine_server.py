@@ -32,6 +32,8 @@ class EngineRequest:
     messages: list[dict[str, str]] | None = None
     # Completions: text, or token ids.
     prompt: str | list[int] | None = None
+    # Keeps a conversation on one replica under session routing (the API's `user` or x-session-id).
+    session_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,14 @@ class EngineDeployment(EngineServer):
         logger.info("replica %s of %s: cpu binding %s", context.replica_id.unique_id, config.name, binding)
         super().__init__(config, replica_id=context.replica_id.unique_id, cpu_binding=binding,
                          model_path=model_path)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the request router reads about this replica, every routing.stats_period_s."""
+        stats = self.engine.stats() if self.engine is not None else None
+        if stats is None:
+            return {}
+        return {"kv_cache_usage": stats.kv_cache_usage, "num_running": stats.num_running,
+                "num_waiting": stats.num_waiting}
 
     def __del__(self) -> None:
         # Serve calls __del__ on graceful shutdown; stopping the engine here lets its worker exit

@@ -24,6 +24,8 @@ from fleetserve.deployments.protocol import (
     HEADER_POOL,
     HEADER_REPLICA,
     HEADER_REQUEST_ID,
+    HEADER_ROUTE_REASON,
+    HEADER_SESSION,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
@@ -31,6 +33,7 @@ from fleetserve.deployments.protocol import (
     new_id,
 )
 from fleetserve.platform.engine import EngineRequestError
+from fleetserve.router import decisions
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +42,10 @@ class ModelClient(Protocol):
     """How the ingress reaches one model's engines."""
 
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]: ...
+
+    def route_reason(self, request_id: str) -> str | None:
+        """Why the replica router chose the replica for this request, when a router decided."""
+        ...
 
 
 class LocalModelClient:
@@ -49,6 +56,9 @@ class LocalModelClient:
 
     def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
         return self.server.generate(request)
+
+    def route_reason(self, request_id: str) -> str | None:
+        return None
 
 
 class HandleModelClient:
@@ -67,6 +77,10 @@ class HandleModelClient:
         finally:
             if not done:
                 response.cancel()
+
+    def route_reason(self, request_id: str) -> str | None:
+        decision = decisions.pop(request_id)
+        return decision.reason if decision is not None else None
 
 
 def as_api_error(error: BaseException) -> APIError:
@@ -129,11 +143,11 @@ class OpenAIIngress:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, raw: Request):
-            return await self.serve_request("chat", body)
+            return await self.serve_request("chat", body, raw.headers.get(HEADER_SESSION))
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, raw: Request):
-            return await self.serve_request("completion", body)
+            return await self.serve_request("completion", body, raw.headers.get(HEADER_SESSION))
 
         return app
 
@@ -158,7 +172,7 @@ class OpenAIIngress:
         return client
 
     async def serve_request(self, kind: Literal["chat", "completion"],
-                            body: ChatCompletionRequest | CompletionRequest):
+                            body: ChatCompletionRequest | CompletionRequest, session_id: str | None = None):
         """Runs one API request; returns a JSON or an SSE streaming response."""
         client = self._client(body.model)
         request_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
@@ -166,7 +180,7 @@ class OpenAIIngress:
         engine_request = EngineRequest(
             request_id=request_id, options=options,
             messages=body.rendered_messages() if kind == "chat" else None,
-            prompt=body.prompt if kind == "completion" else None)
+            prompt=body.prompt if kind == "completion" else None, session_id=session_id or body.user)
         stream = client.generate(engine_request)
         try:
             first = await anext(stream)
@@ -176,6 +190,9 @@ class OpenAIIngress:
             raise as_api_error(error) from None
         headers = {HEADER_MODEL: body.model, HEADER_REPLICA: first.replica_id, HEADER_POOL: self.pool,
                    HEADER_REQUEST_ID: request_id}
+        reason = client.route_reason(request_id)
+        if reason is not None:
+            headers[HEADER_ROUTE_REASON] = reason
         builder = ResponseBuilder(kind, body.model, request_id)
         if body.stream:
             return StreamingResponse(self._sse_stream(builder, first, stream, body.include_usage),

@@ -19,8 +19,12 @@ from fleetserve.platform.engine import GenerationDelta, SamplingOptions, TokenLo
 HEADER_MODEL = "x-fleetserve-model"
 HEADER_REPLICA = "x-fleetserve-replica"
 HEADER_POOL = "x-fleetserve-pool"
+# Why the replica router chose that replica: cache_hit, load, imbalance, session, round_robin, power_of_two.
+HEADER_ROUTE_REASON = "x-fleetserve-route-reason"
+# Clients may name a session for session-affinity routing (the body's `user` field works too).
+HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
-ROUTING_HEADERS = (HEADER_MODEL, HEADER_REPLICA, HEADER_POOL)
+ROUTING_HEADERS = (HEADER_MODEL, HEADER_REPLICA, HEADER_POOL, HEADER_ROUTE_REASON)
 
 
 class APIError(Exception):

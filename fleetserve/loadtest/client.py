@@ -34,6 +34,8 @@ class RequestRecord:
     chunk_times: list[float] = field(default_factory=list)
     prompt_tokens: int = 0
     output_tokens: int = 0
+    # Prompt tokens the server served from its prefix cache (usage.prompt_tokens_details.cached_tokens).
+    cached_tokens: int | None = None
     # Whether the token counts came from the server's usage (True) or were counted here (False).
     usage_from_server: bool = False
     # Routing headers the server returned (x-fleetserve-model, -replica, -pool).
@@ -62,6 +64,9 @@ def build_payload(spec: RequestSpec, api: Api, model: str, ignore_eos: bool) -> 
                                "stream_options": {"include_usage": True}, "temperature": 0.0}
     if ignore_eos:
         payload["ignore_eos"] = True
+    if spec.group_id is not None:
+        # OpenAI's end-user field: one "conversation" per prefix group, for session-affinity routing.
+        payload["user"] = f"group-{spec.group_id}"
     if api == "chat":
         payload["messages"] = [{"role": "user", "content": spec.prompt}]
     else:
@@ -119,6 +124,9 @@ async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any
                     record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
                     record.output_tokens = int(usage.get("completion_tokens") or 0)
                     record.usage_from_server = True
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        record.cached_tokens = int(details["cached_tokens"])
         record.e2el = time.perf_counter() - sent
         record.output_text = "".join(pieces)
         record.ok = record.ttft is not None

@@ -87,6 +87,8 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, percent
         "total_token_throughput": (total_input + total_output) / duration_s,
         "request_goodput": (sum(meets_slos(record, goodput_slos) for record in records) / duration_s
                             if goodput_slos else None),
+        # Share of prompt tokens the server reported as prefix-cache hits; None if it reports none.
+        "prefix_cache_hit_rate": _cache_hit_rate(done),
     }
     samples = {
         "ttft": [record.ttft for record in done if record.ttft is not None],
@@ -102,6 +104,12 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, percent
         for key, value in summary.percentiles.items():
             result[f"{key}_{name}_ms"] = value
     return result
+
+
+def _cache_hit_rate(done: Sequence[RequestRecord]) -> float | None:
+    reported = [record for record in done if record.cached_tokens is not None]
+    prompt_tokens = sum(record.prompt_tokens for record in reported)
+    return sum(record.cached_tokens for record in reported) / prompt_tokens if prompt_tokens else None
 
 
 def timeline(records: Sequence[RequestRecord], bucket_s: float = 1.0) -> dict[str, list[float]]:

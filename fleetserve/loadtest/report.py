@@ -22,7 +22,8 @@ _HEADLINE = [("completed", "Successful requests", "{:.0f}"), ("failed", "Failed 
              ("request_throughput", "Request throughput (req/s)", "{:.2f}"),
              ("request_goodput", "Request goodput (req/s)", "{:.2f}"),
              ("output_throughput", "Output token throughput (tok/s)", "{:.2f}"),
-             ("total_token_throughput", "Total token throughput (tok/s)", "{:.2f}")]
+             ("total_token_throughput", "Total token throughput (tok/s)", "{:.2f}"),
+             ("prefix_cache_hit_rate", "Prefix cache hit rate (server)", "{:.3f}")]
 _LATENCY = [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
             ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")]
 
@@ -70,6 +71,7 @@ def _label(path: Path, run: dict[str, Any], num_runs: int) -> str:
 
 
 COMPARE_KEYS = ["completed", "failed", "request_throughput", "output_throughput", "request_goodput",
+                "prefix_cache_hit_rate",
                 "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
                 "median_e2el_ms", "p99_e2el_ms"]
 

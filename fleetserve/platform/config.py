@@ -75,6 +75,32 @@ class Resources(_Strict):
     accelerator_type: str | None = None
 
 
+class RoutingConfig(_Strict):
+    """How requests are spread over a model's replicas (see fleetserve.router.replica_policy)."""
+
+    # cache_aware: prefix-cache affinity after a load-imbalance check; session: sticky by `user` or
+    # x-session-id, cache_aware for new sessions; round_robin; least_loaded; power_of_two: Ray Serve's default.
+    policy: Literal["cache_aware", "session", "round_robin", "least_loaded", "power_of_two"] = "cache_aware"
+    # cache_aware thresholds; see CacheAwareThresholds.
+    balance_abs_threshold: int = Field(default=32, ge=0)
+    balance_rel_threshold: float = Field(default=1.5, ge=1.0)
+    cache_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    # How often replicas report KV usage and queue lengths to the router.
+    stats_period_s: float = Field(default=1.0, gt=0)
+
+    def request_router_config(self) -> dict[str, Any] | None:
+        """Serve's request_router_config as a dict; None keeps Serve's default (power of two)."""
+        if self.policy == "power_of_two":
+            return None
+        return {
+            "request_router_class": "fleetserve.router.serve_adapter:FleetserveRequestRouter",
+            "request_router_kwargs": {"policy": self.policy, "balance_abs_threshold": self.balance_abs_threshold,
+                                      "balance_rel_threshold": self.balance_rel_threshold,
+                                      "cache_threshold": self.cache_threshold},
+            "request_routing_stats_period_s": self.stats_period_s,
+        }
+
+
 class ModelConfig(_Strict):
     """One served model."""
 
@@ -87,6 +113,7 @@ class ModelConfig(_Strict):
     resources: Resources = Field(default_factory=Resources)
     # Requests one replica holds at once before Serve queues them in front of it.
     max_ongoing_requests: int = Field(default=256, gt=0)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
 
     @field_validator("name")
     @classmethod
@@ -107,7 +134,7 @@ class ModelConfig(_Strict):
         }
         if self.resources.accelerator_type:
             actor_options["accelerator_type"] = self.resources.accelerator_type
-        return {
+        options: dict[str, Any] = {
             "name": self.deployment_name,
             "num_replicas": self.replicas,
             "max_ongoing_requests": self.max_ongoing_requests,
@@ -117,6 +144,10 @@ class ModelConfig(_Strict):
             "health_check_timeout_s": 60,
             "graceful_shutdown_timeout_s": 20,
         }
+        router = self.routing.request_router_config()
+        if router is not None:
+            options["request_router_config"] = router
+        return options
 
 
 class ServerConfig(_Strict):

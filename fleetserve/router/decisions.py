@@ -1,0 +1,30 @@
+"""Replica-routing decisions, shared between the Serve request router and the ingress in one process.
+
+This lives apart from ``serve_adapter``: Ray Serve cloudpickles the router's own module by value, so
+state kept there would be a private copy. Modules it imports are pickled by reference, so this one is shared.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from fleetserve.router.replica_policy import RoutingDecision
+
+_MAX_RECENT = 10_000
+# Recent decisions by fleetserve request id; the ingress pops them for response headers.
+recent: OrderedDict[str, RoutingDecision] = OrderedDict()
+# Decisions made in this process, by reason.
+counts: Counter[str] = Counter()
+
+
+def record(request_id: str | None, decision: RoutingDecision) -> None:
+    counts[decision.reason] += 1
+    if request_id is None:
+        return
+    recent[request_id] = decision
+    while len(recent) > _MAX_RECENT:
+        recent.popitem(last=False)
+
+
+def pop(request_id: str) -> RoutingDecision | None:
+    return recent.pop(request_id, None)

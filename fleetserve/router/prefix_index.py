@@ -1,0 +1,95 @@
+"""An approximate index of which prompt prefixes each replica holds in its KV cache.
+
+The router sees prompt text, not tokens, so prefixes are tracked as a chain of hashes over
+fixed-size character blocks: block i's hash covers blocks 0..i, so a match on block i implies the
+whole prefix before it matches (the same idea as vLLM's block hashes, on text). Each replica keeps
+an LRU set of block hashes bounded by its KV capacity, so old prefixes are forgotten roughly when
+the engine would have evicted them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+def block_hashes(text: str, block_chars: int) -> list[bytes]:
+    """Chained hashes of the text's full blocks (a trailing partial block is not cacheable)."""
+    hashes = []
+    previous = b""
+    for start in range(0, len(text) - block_chars + 1, block_chars):
+        previous = hashlib.blake2b(previous + text[start:start + block_chars].encode(), digest_size=8).digest()
+        hashes.append(previous)
+    return hashes
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """How much of a prompt a replica is believed to hold."""
+
+    replica_id: str
+    # Leading full blocks of the prompt found in the replica's index.
+    num_matched_blocks: int
+    # Full blocks in the prompt.
+    num_blocks: int
+
+    @property
+    def ratio(self) -> float:
+        """Matched share of the prompt's blocks, 0-1; 0 for prompts shorter than one block."""
+        return self.num_matched_blocks / self.num_blocks if self.num_blocks else 0.0
+
+
+class PrefixIndex:
+    """Per-replica LRU sets of prefix block hashes for one model.
+
+    Args:
+        block_chars: characters per block (~4 characters per token: 64 chars ~ a 16-token KV block).
+        capacity_blocks: blocks remembered per replica before the least recently used are evicted.
+    """
+
+    def __init__(self, block_chars: int = 64, capacity_blocks: int = 4096) -> None:
+        if block_chars < 1 or capacity_blocks < 1:
+            raise ValueError("block_chars and capacity_blocks must be positive")
+        self.block_chars = block_chars
+        self.capacity_blocks = capacity_blocks
+        self._blocks: dict[str, OrderedDict[bytes, None]] = {}
+
+    def hashes(self, text: str) -> list[bytes]:
+        return block_hashes(text, self.block_chars)
+
+    def match(self, hashes: list[bytes], replica_ids: Iterable[str]) -> list[PrefixMatch]:
+        """The longest cached prefix of ``hashes`` on each replica."""
+        matches = []
+        for replica_id in replica_ids:
+            blocks = self._blocks.get(replica_id, {})
+            matched = 0
+            for block in hashes:  # chained hashes: the first miss ends the prefix
+                if block not in blocks:
+                    break
+                matched += 1
+            matches.append(PrefixMatch(replica_id, matched, len(hashes)))
+        return matches
+
+    def insert(self, replica_id: str, hashes: list[bytes]) -> None:
+        """Records that ``replica_id`` now holds this prefix; evicts its least recently used blocks."""
+        blocks = self._blocks.setdefault(replica_id, OrderedDict())
+        for block in hashes:
+            blocks[block] = None
+            blocks.move_to_end(block)
+        while len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)
+
+    def remove_replica(self, replica_id: str) -> None:
+        self._blocks.pop(replica_id, None)
+
+    def retain(self, replica_ids: Iterable[str]) -> None:
+        """Forgets replicas that no longer exist."""
+        keep = set(replica_ids)
+        for replica_id in list(self._blocks):
+            if replica_id not in keep:
+                del self._blocks[replica_id]
+
+    def num_blocks(self, replica_id: str) -> int:
+        return len(self._blocks.get(replica_id, ()))

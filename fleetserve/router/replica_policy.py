@@ -1,0 +1,198 @@
+"""Replica selection policies: which replica of a model serves a request.
+
+Pure Python (no Ray); the Serve request router in ``serve_adapter.py`` feeds them replica loads and
+prompt text. ``CacheAwarePolicy`` has the shape of SGLang's cache-aware router: a load-imbalance
+check with named thresholds comes first, then prefix-cache affinity, then load.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from fleetserve.router.prefix_index import PrefixIndex
+
+Reason = Literal["cache_hit", "load", "imbalance", "session", "round_robin", "power_of_two"]
+
+
+class NoReplicaError(RuntimeError):
+    """No live replica to route to."""
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """What the router knows about one live replica."""
+
+    replica_id: str
+    # Requests routed to it that have not completed, as the router counted them.
+    num_outstanding: int = 0
+    # KV-cache usage its engine last reported, 0-1; None before the first report.
+    kv_cache_usage: float | None = None
+
+
+@dataclass(frozen=True)
+class RoutingDecision:
+    """The chosen replica and why."""
+
+    replica_id: str
+    reason: Reason
+    # Share of the prompt's prefix blocks the chosen replica is believed to hold.
+    match_ratio: float = 0.0
+
+
+class ReplicaPolicy(Protocol):
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision: ...
+
+    def forget(self, live_replica_ids: Sequence[str]) -> None: ...
+
+
+def _least_loaded(replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
+    # Outstanding requests first; KV usage breaks ties (a fuller cache leaves less room); id keeps it deterministic.
+    return min(replicas, key=lambda r: (r.num_outstanding, r.kv_cache_usage or 0.0, r.replica_id))
+
+
+def _require(replicas: Sequence[ReplicaLoad]) -> None:
+    if not replicas:
+        raise NoReplicaError("no live replica to route to")
+
+
+@dataclass(frozen=True)
+class CacheAwareThresholds:
+    """When cache affinity may win over load. Defaults follow SGLang's router."""
+
+    # Load counts as imbalanced only if max - min outstanding requests exceeds this ...
+    balance_abs_threshold: int = 32
+    # ... and max exceeds min x this. Then the least-loaded replica wins regardless of cache.
+    balance_rel_threshold: float = 1.5
+    # The best-matching replica wins only if it holds at least this share of the prompt's blocks.
+    cache_threshold: float = 0.5
+
+
+class CacheAwarePolicy:
+    """Prefix-cache-aware routing guarded by a load-imbalance check."""
+
+    def __init__(self, thresholds: CacheAwareThresholds | None = None, index: PrefixIndex | None = None) -> None:
+        self.thresholds = thresholds or CacheAwareThresholds()
+        self.index = index or PrefixIndex()
+
+    def is_imbalanced(self, replicas: Sequence[ReplicaLoad]) -> bool:
+        loads = [replica.num_outstanding for replica in replicas]
+        high, low = max(loads), min(loads)
+        return (high - low > self.thresholds.balance_abs_threshold
+                and high > low * self.thresholds.balance_rel_threshold)
+
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+        _require(replicas)
+        hashes = self.index.hashes(text)
+        matches = {match.replica_id: match for match in self.index.match(hashes, [r.replica_id for r in replicas])}
+        if len(replicas) > 1 and self.is_imbalanced(replicas):
+            chosen, reason = _least_loaded(replicas), "imbalance"
+        else:
+            # Longest match first; among equal matches, the less loaded.
+            best = max(replicas, key=lambda r: (matches[r.replica_id].num_matched_blocks, -r.num_outstanding,
+                                                -(r.kv_cache_usage or 0.0)))
+            if matches[best.replica_id].ratio >= self.thresholds.cache_threshold:
+                chosen, reason = best, "cache_hit"
+            else:
+                # Among equally loaded replicas, the one caching least has the most room for a new prefix
+                # (SGLang's smallest-tree rule); without it every new prefix lands on the same replica.
+                chosen = min(replicas, key=lambda r: (r.num_outstanding, self.index.num_blocks(r.replica_id),
+                                                      r.kv_cache_usage or 0.0, r.replica_id))
+                reason = "load"
+        self.index.insert(chosen.replica_id, hashes)
+        return RoutingDecision(chosen.replica_id, reason, matches[chosen.replica_id].ratio)
+
+    def forget(self, live_replica_ids: Sequence[str]) -> None:
+        self.index.retain(live_replica_ids)
+
+
+class SessionAffinityPolicy:
+    """Keeps each session on one replica while that replica lives; new sessions go by ``inner``."""
+
+    def __init__(self, inner: ReplicaPolicy | None = None, max_sessions: int = 100_000) -> None:
+        self.inner = inner or LeastLoadedPolicy()
+        self.max_sessions = max_sessions
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+        _require(replicas)
+        if session_id is not None:
+            pinned = self._sessions.get(session_id)
+            if pinned is not None and any(replica.replica_id == pinned for replica in replicas):
+                self._sessions.move_to_end(session_id)
+                return RoutingDecision(pinned, "session")
+        decision = self.inner.choose(text, replicas, session_id)
+        if session_id is not None:
+            self._sessions[session_id] = decision.replica_id
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
+        return decision
+
+    def forget(self, live_replica_ids: Sequence[str]) -> None:
+        live = set(live_replica_ids)
+        for session_id in [s for s, replica_id in self._sessions.items() if replica_id not in live]:
+            del self._sessions[session_id]
+        self.inner.forget(live_replica_ids)
+
+
+class LeastLoadedPolicy:
+    """Fewest outstanding requests."""
+
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+        _require(replicas)
+        return RoutingDecision(_least_loaded(replicas).replica_id, "load")
+
+    def forget(self, live_replica_ids: Sequence[str]) -> None:
+        pass
+
+
+class RoundRobinPolicy:
+    """Each replica in turn, ignoring load and cache."""
+
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+        _require(replicas)
+        ordered = sorted(replicas, key=lambda r: r.replica_id)
+        return RoutingDecision(ordered[next(self._counter) % len(ordered)].replica_id, "round_robin")
+
+    def forget(self, live_replica_ids: Sequence[str]) -> None:
+        pass
+
+
+class PowerOfTwoPolicy:
+    """Two random replicas, the less loaded of them (Ray Serve's default idea)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+        _require(replicas)
+        sample = self._rng.sample(list(replicas), min(2, len(replicas)))
+        return RoutingDecision(_least_loaded(sample).replica_id, "power_of_two")
+
+    def forget(self, live_replica_ids: Sequence[str]) -> None:
+        pass
+
+
+POLICIES = ("cache_aware", "session", "round_robin", "power_of_two", "least_loaded")
+
+
+def make_policy(name: str, **thresholds: float) -> ReplicaPolicy:
+    """Builds a policy by its config name; thresholds apply to cache_aware (and session's fallback)."""
+    if name == "cache_aware":
+        return CacheAwarePolicy(CacheAwareThresholds(**thresholds))
+    if name == "session":
+        return SessionAffinityPolicy(CacheAwarePolicy(CacheAwareThresholds(**thresholds)))
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    if name == "power_of_two":
+        return PowerOfTwoPolicy()
+    if name == "least_loaded":
+        return LeastLoadedPolicy()
+    raise ValueError(f"unknown routing policy {name!r}; expected one of {', '.join(POLICIES)}")

@@ -1,0 +1,75 @@
+"""Ray Serve request router running fleetserve's replica policies. The router package's only Ray import.
+
+Serve runs one router per deployment handle, in the caller's process (the ingress). It counts its
+own outstanding requests per replica (as SGLang's router does: fresher than any polled stat) and
+reads KV usage from the stats each replica reports through ``record_routing_stats``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from ray.serve._private.request_router.common import PendingRequest
+from ray.serve._private.request_router.replica_wrapper import RunningReplica
+from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+
+from fleetserve.router import decisions
+from fleetserve.router.replica_policy import ReplicaLoad, make_policy
+
+logger = logging.getLogger(__name__)
+
+
+def request_text(request: Any) -> tuple[str, str | None]:
+    """The routing key text of an EngineRequest (its prompt, or its messages in order) and its session."""
+    messages = getattr(request, "messages", None)
+    if messages is not None:
+        text = "".join(f"<{message['role']}>{message['content']}" for message in messages)
+    else:
+        prompt = getattr(request, "prompt", "")
+        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt or []))
+    return text, getattr(request, "session_id", None)
+
+
+class FleetserveRequestRouter(FIFOMixin, RequestRouter):
+    """Chooses replicas with a ``fleetserve.router.replica_policy`` policy."""
+
+    def initialize_state(self, policy: str = "cache_aware", **thresholds: Any) -> None:
+        self.policy = make_policy(policy, **thresholds)
+        self.outstanding: Counter[str] = Counter()
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = [replica.replica_id.unique_id for replica in replicas]
+        self.policy.forget(live)
+        for replica_id in [key for key in self.outstanding if key not in live]:
+            del self.outstanding[replica_id]
+
+    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
+                              pending_request: PendingRequest | None = None) -> Sequence[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        if pending_request is None or not pending_request.args:
+            return [candidate_replicas]
+        pending_request.routing_context.should_backoff = True
+        request = pending_request.args[0]
+        text, session_id = request_text(request)
+        by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
+        loads = [ReplicaLoad(replica_id, self.outstanding[replica_id],
+                             (replica.routing_stats or {}).get("kv_cache_usage"))
+                 for replica_id, replica in by_id.items()]
+        decision = self.policy.choose(text, loads, session_id)
+        decisions.record(getattr(request, "request_id", None), decision)
+        # If the chosen replica is full, Serve tries the rest, least loaded first.
+        rest = sorted((load for load in loads if load.replica_id != decision.replica_id),
+                      key=lambda load: (load.num_outstanding, load.replica_id))
+        return [[by_id[decision.replica_id]]] + [[by_id[load.replica_id]] for load in rest]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        self.outstanding[replica_id.unique_id] += 1
+
+    def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
+        if self.outstanding[replica_id.unique_id] > 0:
+            self.outstanding[replica_id.unique_id] -= 1

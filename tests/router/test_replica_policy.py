@@ -1,0 +1,121 @@
+"""Replica selection policies on hand-built replica states, with exact expected choices."""
+
+import pytest
+
+from fleetserve.router.prefix_index import PrefixIndex, block_hashes
+from fleetserve.router.replica_policy import (
+    CacheAwarePolicy,
+    CacheAwareThresholds,
+    NoReplicaError,
+    PowerOfTwoPolicy,
+    ReplicaLoad,
+    RoundRobinPolicy,
+    SessionAffinityPolicy,
+    make_policy,
+)
+
+BLOCK = 8  # characters per block in these tests
+SYSTEM = "A" * 32  # 4 blocks of shared prefix
+
+
+def loads(**outstanding: int) -> list[ReplicaLoad]:
+    return [ReplicaLoad(replica_id, count) for replica_id, count in outstanding.items()]
+
+
+def policy(**thresholds) -> CacheAwarePolicy:
+    return CacheAwarePolicy(CacheAwareThresholds(**thresholds), PrefixIndex(block_chars=BLOCK, capacity_blocks=64))
+
+
+def test_block_hashes_are_chained_and_skip_the_partial_tail():
+    # 20 chars = 2 full blocks of 8, tail of 4 not hashed.
+    assert len(block_hashes("x" * 20, 8)) == 2
+    # Same second block after a different first block hashes differently: a prefix, not a bag of blocks.
+    assert block_hashes("aaaaaaaabbbbbbbb", 8)[1] != block_hashes("ccccccccbbbbbbbb", 8)[1]
+
+
+def test_prefix_hit_beats_load_within_the_thresholds():
+    router = policy(balance_abs_threshold=4, balance_rel_threshold=1.5, cache_threshold=0.5)
+    first = router.choose(SYSTEM + "q1", loads(r0=0, r1=0))
+    assert (first.replica_id, first.reason) == ("r0", "load")  # nothing cached yet: least loaded, ties by id
+    # r0 now holds the 4 prefix blocks. It is busier (3 vs 0) but the gap 3 is within the absolute bound 4.
+    second = router.choose(SYSTEM + "q2 another question", loads(r0=3, r1=0))
+    # Prompt: 32 + 19 = 51 chars -> 6 full blocks; r0 holds the first 4: ratio 4/6 = 0.67 >= 0.5.
+    assert (second.replica_id, second.reason) == ("r0", "cache_hit")
+    assert second.match_ratio == pytest.approx(4 / 6)
+
+
+def test_imbalance_overrides_the_hit():
+    router = policy(balance_abs_threshold=4, balance_rel_threshold=1.5, cache_threshold=0.5)
+    router.choose(SYSTEM, loads(r0=0, r1=0))
+    # 10 - 2 = 8 > 4 and 10 > 2 x 1.5: imbalanced, so the least loaded r1 wins despite r0's full match.
+    decision = router.choose(SYSTEM, loads(r0=10, r1=2))
+    assert (decision.replica_id, decision.reason, decision.match_ratio) == ("r1", "imbalance", 0.0)
+
+
+def test_both_imbalance_bounds_must_be_exceeded():
+    router = policy(balance_abs_threshold=4, balance_rel_threshold=1.5, cache_threshold=0.5)
+    router.choose(SYSTEM, loads(r0=0, r1=0))
+    # Gap 100 - 90 = 10 > 4 but 100 < 90 x 1.5: balanced enough, so the cache hit stands.
+    assert router.choose(SYSTEM, loads(r0=100, r1=90)).reason == "cache_hit"
+
+
+def test_low_match_ratio_falls_back_to_load():
+    router = policy(cache_threshold=0.5)
+    router.choose("B" * 8, loads(r0=0, r1=0))  # r0 holds one block "BBBBBBBB"
+    # New prompt: 4 blocks, only the first matches r0: 1/4 = 0.25 < 0.5 -> least loaded, r1.
+    decision = router.choose("B" * 8 + "C" * 24, loads(r0=1, r1=0))
+    assert (decision.replica_id, decision.reason) == ("r1", "load")
+
+
+def test_new_prefixes_spread_to_the_replica_caching_least():
+    router = policy()
+    # Both idle: r0 (id order) takes the first prefix; the next new prefix goes to r1, which caches nothing.
+    assert router.choose("P" * 32, loads(r0=0, r1=0)).replica_id == "r0"
+    assert router.choose("Q" * 32, loads(r0=0, r1=0)).replica_id == "r1"
+    # Now r0 holds 4 blocks and r1 4: a tie again, broken by id; but load still comes first.
+    assert router.choose("R" * 32, loads(r0=1, r1=0)).replica_id == "r1"
+
+
+def test_eviction_forgets_old_prefixes():
+    router = CacheAwarePolicy(CacheAwareThresholds(cache_threshold=0.5), PrefixIndex(block_chars=BLOCK, capacity_blocks=4))
+    router.choose(SYSTEM, loads(r0=0, r1=5))          # r0 holds SYSTEM's 4 blocks (capacity 4)
+    router.choose("Z" * 32, loads(r0=0, r1=5))        # 4 new blocks on r0 evict all of SYSTEM's
+    assert router.index.match(router.index.hashes(SYSTEM), ["r0"])[0].num_matched_blocks == 0
+    assert router.choose(SYSTEM, loads(r0=1, r1=0)).reason == "load"
+
+
+def test_unknown_or_dead_replicas_are_never_chosen():
+    router = policy()
+    router.choose(SYSTEM, loads(r0=0))                # r0 holds the prefix, then dies
+    decision = router.choose(SYSTEM, loads(r1=7, r2=3))
+    assert decision.replica_id == "r2" and decision.reason == "load"
+    router.forget(["r1", "r2"])
+    assert router.index.num_blocks("r0") == 0
+    with pytest.raises(NoReplicaError):
+        router.choose(SYSTEM, [])
+
+
+def test_session_affinity_keeps_a_conversation_while_its_replica_lives():
+    router = SessionAffinityPolicy(policy())
+    assert router.choose("hello", loads(r0=0, r1=0), session_id="s1").replica_id == "r0"
+    # r0 is much busier now, but session s1 stays there.
+    assert router.choose("again", loads(r0=50, r1=0), session_id="s1").reason == "session"
+    assert router.choose("again", loads(r0=50, r1=0), session_id="s1").replica_id == "r0"
+    # r0 died: the session moves, and then sticks to its new replica.
+    moved = router.choose("again", loads(r1=0, r2=1), session_id="s1")
+    assert moved.replica_id == "r1" and moved.reason != "session"
+    assert router.choose("more", loads(r1=9, r2=0), session_id="s1").replica_id == "r1"
+
+
+def test_round_robin_and_power_of_two():
+    rr = RoundRobinPolicy()
+    assert [rr.choose("", loads(b=0, a=9, c=0)).replica_id for _ in range(4)] == ["a", "b", "c", "a"]
+    p2 = PowerOfTwoPolicy(seed=0)
+    # With two replicas, both are always sampled: the less loaded always wins.
+    assert {p2.choose("", loads(r0=5, r1=1)).replica_id for _ in range(20)} == {"r1"}
+
+
+def test_make_policy_rejects_unknown_names():
+    assert isinstance(make_policy("cache_aware", cache_threshold=0.3), CacheAwarePolicy)
+    with pytest.raises(ValueError, match="unknown routing policy 'fastest'; expected one of cache_aware"):
+        make_policy("fastest")
