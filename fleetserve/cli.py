@@ -82,6 +82,46 @@ def serve(
     console.print("[green]stopped cleanly[/]")
 
 
+@app.command()
+def status(
+    url: Annotated[str, typer.Option(help="The platform's base URL.")] = "http://127.0.0.1:8000",
+    once: Annotated[bool, typer.Option(help="Print one snapshot and exit (for scripts and tests).")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
+) -> None:
+    """A live view of models, replicas, KV usage, queues and tokens/s (Ctrl-C to quit)."""
+    import time
+
+    import httpx
+    from rich.console import Console as RichConsole
+    from rich.live import Live
+
+    from fleetserve.platform.status import fetch, status_table
+
+    out = RichConsole()
+    with httpx.Client() as client:
+        try:
+            before = fetch(url, client, time.monotonic())
+            time.sleep(interval)
+            after = fetch(url, client, time.monotonic())
+        except httpx.HTTPError as error:
+            console.print(f"[red]error:[/] cannot read {url.rstrip('/')}/metrics: {type(error).__name__}: {error}")
+            raise typer.Exit(1) from None
+        if once:
+            out.print(status_table(before, after, url))
+            return
+        with Live(status_table(before, after, url), console=out, refresh_per_second=4) as live:
+            try:
+                while True:
+                    time.sleep(interval)
+                    before, after = after, fetch(url, client, time.monotonic())
+                    live.update(status_table(before, after, url))
+            except KeyboardInterrupt:
+                pass
+            except httpx.HTTPError as error:
+                console.print(f"[red]lost contact with {url}:[/] {error}")
+                raise typer.Exit(1) from None
+
+
 bench_app = typer.Typer(help="Load-test any OpenAI-compatible endpoint (fleetserve, vLLM, ...).",
                         pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")
@@ -187,7 +227,7 @@ def bench(
                              timeout_s=timeout, dataset={k: str(v) if isinstance(v, Path) else v
                                                          for k, v in described.items()})
         try:
-            result = asyncio.run(_run_with_progress(config, specs))
+            result = asyncio.run(_run_with_progress(config, specs, maker.count if maker.tokenizer else None))
         except BenchError as error:
             console.print(f"[red]error:[/] {error}")
             raise typer.Exit(1) from None
@@ -208,7 +248,7 @@ def bench(
         raise typer.Exit(130)
 
 
-async def _run_with_progress(config, specs):
+async def _run_with_progress(config, specs, count_tokens):
     import asyncio
     import signal as signal_module
 
@@ -230,7 +270,7 @@ async def _run_with_progress(config, specs):
             progress.update(task, advance=1, failed=failures)
 
         try:
-            return await run_benchmark(config, specs, stop, done)
+            return await run_benchmark(config, specs, stop, done, count_tokens)
         finally:
             loop.remove_signal_handler(signal_module.SIGINT)
 

@@ -123,7 +123,7 @@ class FakeEngine:
         self.num_finished = 0
 
     @classmethod
-    def create(cls, model, model_path, cpu_binding=None) -> FakeEngine:
+    def create(cls, model, model_path, cpu_binding=None, stats_listeners=()) -> FakeEngine:
         return cls()
 
     def encode(self, text: str) -> list[int]:
@@ -211,6 +211,28 @@ def loopback_server():
 
 
 @pytest.fixture(scope="session")
+def two_replica_app(served) -> Served:
+    """A second app on the same Serve instance: the tiny model twice, each with 2 replicas (one per core),
+    under fleetserve's cache-aware router and under Serve's default router."""
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+
+    two_replicas = {"replicas": 2, "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]},
+                    "engine_args": {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * MiB}}
+    config = parse_config({"models": [
+        {"name": "tiny-cache-aware", "source": "tiny-random-llama", **two_replicas,
+         "routing": {"policy": "cache_aware"}, "cost_per_million_input_tokens": 1.0,
+         "cost_per_million_output_tokens": 2.0},
+        {"name": "tiny-default", "source": "tiny-random-llama", **two_replicas, "routing": {"policy": "power_of_two"}},
+    ]})
+    serve.run(build_app(config), name="routing", route_prefix="/routing")
+    handles = {model.name: serve.get_deployment_handle(model.deployment_name, "routing") for model in config.models}
+    yield Served(base_url=f"{served.base_url}/routing", config=config, handles=handles)
+    serve.delete("routing")
+
+
+@pytest.fixture(scope="module")
 def bare_vllm():
     """Bare vLLM's OpenAI server with the suite's tiny model config (same engine args), on core 1."""
     import os

@@ -8,6 +8,7 @@ from ray.serve import Application
 
 from fleetserve.deployments.engine_server import EngineDeployment
 from fleetserve.deployments.ingress import IngressDeployment
+from fleetserve.deployments.metrics_hub import MetricsHubDeployment
 from fleetserve.platform.config import PlatformConfig
 from fleetserve.platform.engine import plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source
@@ -41,9 +42,10 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True) -> Applicati
             folder; False lets each replica resolve its own source (multi-node clusters).
     """
     bindings = cpu_bindings_per_model(config)
+    hub = MetricsHubDeployment.bind()
     engines = {}
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None
         engines[model.name] = EngineDeployment.options(**model.deployment_options()).bind(
-            model.model_dump(), bindings[model.name], model_path)
-    return IngressDeployment.bind(engines)
+            model.model_dump(), bindings[model.name], model_path, hub)
+    return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models})

@@ -6,7 +6,9 @@ Ray Serve subclass that adds the replica's identity and its CPU binding.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,10 +18,13 @@ from ray import serve
 
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import Engine, EngineRequestError, GenerationDelta, SamplingOptions
+from fleetserve.platform.metrics import EngineMetrics
 from fleetserve.platform.model_store import resolve_source
 from fleetserve.platform.stats import EngineStats
 
 logger = logging.getLogger(__name__)
+# How often a replica publishes its metrics to the hub.
+PUBLISH_PERIOD_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,8 @@ class EngineChunk:
 
     replica_id: str
     delta: GenerationDelta
+    # Wall-clock time the engine server started on the request (the ingress derives its queue time).
+    started_at: float = 0.0
 
 
 class EngineServer:
@@ -53,14 +60,18 @@ class EngineServer:
         replica_id: how responses name this server.
         cpu_binding: cores for the engine's CPU worker; None leaves vLLM's default.
         model_path: an already resolved HF folder; None resolves ``model.source`` here.
+        pool: the pool this server belongs to, for metric labels.
     """
 
     def __init__(self, model: ModelConfig, *, engine_cls: type[Engine] = Engine, replica_id: str = "local",
-                 cpu_binding: str | None = None, model_path: str | Path | None = None) -> None:
+                 cpu_binding: str | None = None, model_path: str | Path | None = None,
+                 pool: str = "colocated") -> None:
         self.model = model
         self.replica_id = replica_id
+        self.pool = pool
+        self.metrics = EngineMetrics(model.name, replica_id, pool)
         path = Path(model_path) if model_path is not None else resolve_source(model.source)
-        self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding)
+        self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics])
 
     def _prompt_ids(self, request: EngineRequest) -> list[int]:
         if request.messages is not None:
@@ -82,9 +93,10 @@ class EngineServer:
         Raises:
             EngineRequestError: the prompt or options are invalid for this model.
         """
+        started_at = time.time()
         prompt_ids = self._prompt_ids(request)
         async for delta in self.engine.generate(prompt_ids, request.options, request.request_id):
-            yield EngineChunk(self.replica_id, delta)
+            yield EngineChunk(self.replica_id, delta, started_at)
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -94,6 +106,10 @@ class EngineServer:
 
     async def check_health(self) -> None:
         await self.engine.check_health()
+
+    async def metrics_exposition(self) -> bytes:
+        """This replica's vLLM-named metrics in Prometheus text format."""
+        return self.metrics.exposition()
 
     def shutdown(self) -> None:
         engine = getattr(self, "engine", None)
@@ -107,13 +123,23 @@ class EngineDeployment(EngineServer):
     """Ray Serve replica of an engine server; options come from ``ModelConfig.deployment_options``."""
 
     def __init__(self, model: dict[str, Any], cpu_bindings: list[str] | None = None,
-                 model_path: str | None = None) -> None:
+                 model_path: str | None = None, metrics_hub: Any = None) -> None:
         context = serve.get_replica_context()
         config = ModelConfig.model_validate(model)
         binding = cpu_bindings[context.rank.rank % len(cpu_bindings)] if cpu_bindings else None
         logger.info("replica %s of %s: cpu binding %s", context.replica_id.unique_id, config.name, binding)
         super().__init__(config, replica_id=context.replica_id.unique_id, cpu_binding=binding,
                          model_path=model_path)
+        self._hub = metrics_hub
+        self._publisher = asyncio.get_event_loop().create_task(self._publish()) if metrics_hub else None
+
+    async def _publish(self) -> None:
+        while self.engine is not None:
+            try:
+                await self._hub.push.remote(self.replica_id, self.model.name, self.pool, self.metrics.exposition())
+            except Exception:  # noqa: BLE001 - the hub restarting must not take the engine down
+                logger.warning("metrics push failed; retrying", exc_info=True)
+            await asyncio.sleep(PUBLISH_PERIOD_S)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the request router reads about this replica, every routing.stats_period_s."""
@@ -126,4 +152,7 @@ class EngineDeployment(EngineServer):
     def __del__(self) -> None:
         # Serve calls __del__ on graceful shutdown; stopping the engine here lets its worker exit
         # before Ray kills the actor, which is what leaves /dev/shm segments behind.
+        if getattr(self, "_publisher", None) is not None:
+            self._publisher.cancel()
+            self._hub.remove.remote(self.replica_id)
         self.shutdown()

@@ -10,12 +10,12 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
 from fleetserve.deployments.engine_server import EngineChunk, EngineRequest, EngineServer
@@ -32,7 +32,9 @@ from fleetserve.deployments.protocol import (
     ResponseBuilder,
     new_id,
 )
+from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import EngineRequestError
+from fleetserve.platform.metrics import PlatformMetrics, merge_expositions
 from fleetserve.router import decisions
 
 logger = logging.getLogger(__name__)
@@ -106,18 +108,29 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
+# Engine expositions and live replicas per (model, pool), from wherever engines publish them.
+MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
+
+
 class OpenAIIngress:
     """The OpenAI-compatible HTTP API over a set of models.
 
     Args:
         clients: model name -> client that reaches that model's engines.
         pool: the pool name reported in routing headers.
+        metrics_source: returns the engines' metric expositions for ``/metrics``; None serves only
+            the ingress's own metrics.
+        models: model name -> config, for cost estimates.
     """
 
-    def __init__(self, clients: dict[str, ModelClient], pool: str = "colocated") -> None:
+    def __init__(self, clients: dict[str, ModelClient], pool: str = "colocated",
+                 metrics_source: MetricsSource | None = None, models: dict[str, ModelConfig] | None = None) -> None:
         self.clients = clients
         self.pool = pool
         self.created = int(time.time())
+        self.metrics_source = metrics_source
+        self.models = models or {}
+        self.platform_metrics = PlatformMetrics()
 
     def build_app(self) -> FastAPI:
         """The FastAPI app serving the API."""
@@ -131,9 +144,21 @@ class OpenAIIngress:
         async def _api_error(_: Request, error: APIError) -> JSONResponse:
             return _error_response(error)
 
+        @app.middleware("http")
+        async def count_requests(request: Request, call_next):
+            response = await call_next(request)
+            if request.url.path.startswith("/v1/") and request.method == "POST":
+                model = getattr(request.state, "model", None) or "unknown"
+                self.platform_metrics.requests.labels(request.url.path, model, str(response.status_code)).inc()
+            return response
+
         @app.get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok"}
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            return Response(await self.metrics_exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
@@ -143,13 +168,30 @@ class OpenAIIngress:
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, raw: Request):
+            raw.state.model = body.model if body.model in self.clients else None
             return await self.serve_request("chat", body, raw.headers.get(HEADER_SESSION))
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, raw: Request):
+            raw.state.model = body.model if body.model in self.clients else None
             return await self.serve_request("completion", body, raw.headers.get(HEADER_SESSION))
 
         return app
+
+    async def metrics_exposition(self) -> bytes:
+        """The ingress's fleetserve_* metrics plus every live engine replica's vllm:* metrics."""
+        engine_texts: list[bytes] = []
+        if self.metrics_source is not None:
+            engine_texts, replica_counts = await self.metrics_source()
+            self.platform_metrics.replicas.clear()
+            for (model, pool), count in replica_counts.items():
+                self.platform_metrics.replicas.labels(model, pool).set(count)
+        return merge_expositions([self.platform_metrics.exposition(), *engine_texts])
+
+    def _account(self, model: str, usage_prompt: int, usage_completion: int) -> None:
+        config = self.models.get(model)
+        if config is not None:
+            self.platform_metrics.cost.labels(model).inc(config.request_cost(usage_prompt, usage_completion))
 
     @staticmethod
     def validation_error(error: RequestValidationError) -> APIError:
@@ -174,6 +216,7 @@ class OpenAIIngress:
     async def serve_request(self, kind: Literal["chat", "completion"],
                             body: ChatCompletionRequest | CompletionRequest, session_id: str | None = None):
         """Runs one API request; returns a JSON or an SSE streaming response."""
+        received_at = time.time()
         client = self._client(body.model)
         request_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         options = body.sampling_options(default_max_tokens=None if kind == "chat" else 16)
@@ -193,6 +236,9 @@ class OpenAIIngress:
         reason = client.route_reason(request_id)
         if reason is not None:
             headers[HEADER_ROUTE_REASON] = reason
+            self.platform_metrics.routing_decisions.labels(body.model, reason).inc()
+        if first.started_at:
+            self.platform_metrics.queue_time.labels(body.model).observe(max(0.0, first.started_at - received_at))
         builder = ResponseBuilder(kind, body.model, request_id)
         if body.stream:
             return StreamingResponse(self._sse_stream(builder, first, stream, body.include_usage),
@@ -203,7 +249,9 @@ class OpenAIIngress:
                 deltas.append(chunk.delta)
         except Exception as error:  # noqa: BLE001
             return _error_response(as_api_error(error), headers)
-        return JSONResponse(builder.full(deltas), headers=headers)
+        response = builder.full(deltas)
+        self._account(body.model, builder.usage.prompt_tokens, builder.usage.completion_tokens)
+        return JSONResponse(response, headers=headers)
 
     async def _sse_stream(self, builder: ResponseBuilder, first: EngineChunk,
                           stream: AsyncIterator[EngineChunk], include_usage: bool) -> AsyncIterator[bytes]:
@@ -222,6 +270,7 @@ class OpenAIIngress:
         finally:
             # A client that went away cancels this generator; closing the engine stream aborts the request.
             await stream.aclose()
+            self._account(builder.model, builder.usage.prompt_tokens, builder.usage.completion_tokens)
         if include_usage:
             yield _sse(builder.usage_chunk())
         yield b"data: [DONE]\n\n"
@@ -232,8 +281,12 @@ class OpenAIIngress:
 class IngressDeployment(OpenAIIngress):
     """Ray Serve replica of the ingress; each model is reached through its engine deployment's handle."""
 
-    def __init__(self, engine_handles: dict[str, Any]) -> None:
-        super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()})
+    def __init__(self, engine_handles: dict[str, Any], metrics_hub: Any = None,
+                 models: dict[str, dict[str, Any]] | None = None) -> None:
+        source = metrics_hub.collect.remote if metrics_hub is not None else None
+        configs = {name: ModelConfig.model_validate(model) for name, model in (models or {}).items()}
+        super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
+                         metrics_source=source, models=configs)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.build_app()

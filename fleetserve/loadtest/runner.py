@@ -101,8 +101,12 @@ async def preflight(config: BenchConfig, http: httpx.AsyncClient) -> None:
 
 
 async def run_benchmark(config: BenchConfig, specs: Sequence[RequestSpec], stop: asyncio.Event | None = None,
-                        on_done: Callable[[RequestRecord], None] | None = None) -> RunResult:
+                        on_done: Callable[[RequestRecord], None] | None = None,
+                        count_tokens: Callable[[str], int] | None = None) -> RunResult:
     """Sends ``specs`` on the configured schedule; returns when all finish or ``stop`` is set.
+
+    Token counts come from the server's usage; for servers that send none, ``count_tokens`` (the
+    model's tokenizer) counts the output text, or else each content chunk counts as one token.
 
     Raises:
         BenchError: the server is unreachable or does not serve the model.
@@ -114,11 +118,19 @@ async def run_benchmark(config: BenchConfig, specs: Sequence[RequestSpec], stop:
         for spec in specs[:config.num_warmups]:
             payload = build_payload(spec, config.api, config.model, config.ignore_eos)
             await send_request(http, config.endpoint, payload, config.api, time.perf_counter())
-        return await _dispatch(config, specs, http, stop, on_done)
+        return await _dispatch(config, specs, http, stop, on_done, count_tokens)
+
+
+def _fill_counts(record: RequestRecord, spec: RequestSpec, count_tokens: Callable[[str], int] | None) -> None:
+    if not record.ok or record.usage_from_server:
+        return
+    record.prompt_tokens = spec.prompt_len
+    record.output_tokens = count_tokens(record.output_text) if count_tokens else len(record.chunk_times)
 
 
 async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: httpx.AsyncClient,
-                    stop: asyncio.Event, on_done: Callable[[RequestRecord], None] | None) -> RunResult:
+                    stop: asyncio.Event, on_done: Callable[[RequestRecord], None] | None,
+                    count_tokens: Callable[[str], int] | None) -> RunResult:
     delays = inter_arrival_times(len(specs), config.request_rate, config.burstiness, config.seed)
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     records: list[RequestRecord] = []
@@ -133,6 +145,7 @@ async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: htt
         else:
             async with slots:
                 record = await send_request(http, config.endpoint, payload, config.api, run_start, spec)
+        _fill_counts(record, spec, count_tokens)
         records.append(record)
         if on_done:
             on_done(record)

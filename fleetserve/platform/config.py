@@ -114,6 +114,14 @@ class ModelConfig(_Strict):
     # Requests one replica holds at once before Serve queues them in front of it.
     max_ongoing_requests: int = Field(default=256, gt=0)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    # Prices for cost estimates (fleetserve_estimated_cost_dollars), in dollars per 1M tokens.
+    cost_per_million_input_tokens: float = Field(default=0.0, ge=0)
+    cost_per_million_output_tokens: float = Field(default=0.0, ge=0)
+
+    def request_cost(self, num_input_tokens: int, num_output_tokens: int) -> float:
+        """Estimated dollars for one request at this model's prices."""
+        return (num_input_tokens * self.cost_per_million_input_tokens
+                + num_output_tokens * self.cost_per_million_output_tokens) / 1e6
 
     @field_validator("name")
     @classmethod

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.platform.config import ConfigError, ModelConfig
-from fleetserve.platform.stats import EngineStats, StatsRecorder
+from fleetserve.platform.stats import EngineStats, StatsListener, StatsRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -107,13 +107,15 @@ class Engine:
         self.tokenizer = llm.get_tokenizer()
 
     @classmethod
-    def create(cls, model: ModelConfig, model_path: Path, cpu_binding: str | None = None) -> Engine:
+    def create(cls, model: ModelConfig, model_path: Path, cpu_binding: str | None = None,
+               stats_listeners: Sequence[StatsListener] = ()) -> Engine:
         """Builds the AsyncLLM for ``model`` from a resolved HF folder.
 
         Args:
             model: the model's platform config.
             model_path: local HF folder, from the model store.
             cpu_binding: cores for the vLLM CPU worker (VLLM_CPU_OMP_THREADS_BIND); ignored on GPU.
+            stats_listeners: also fed every engine step's stats (e.g. ``EngineMetrics``).
 
         Raises:
             ConfigError: an ``engine_args.extra`` key that vLLM does not know.
@@ -130,7 +132,7 @@ class Engine:
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding
         args = AsyncEngineArgs(model=str(model_path), served_model_name=[model.name],
                                disable_log_stats=False, **kwargs)
-        recorder = StatsRecorder()
+        recorder = StatsRecorder(stats_listeners)
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[recorder.stat_logger_factory()])
         return cls(llm, model.name, recorder)
 

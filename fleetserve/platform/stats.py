@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -43,11 +44,18 @@ class EngineStats:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else None
 
 
+class StatsListener(Protocol):
+    """Anything else that wants each engine step's raw stats (e.g. Prometheus metrics)."""
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None: ...
+
+
 class StatsRecorder:
     """Accumulates vLLM scheduler and iteration stats into ``EngineStats`` snapshots."""
 
-    def __init__(self) -> None:
+    def __init__(self, listeners: Sequence[StatsListener] = ()) -> None:
         self._snapshot = EngineStats()
+        self._listeners = list(listeners)
 
     def snapshot(self) -> EngineStats:
         return self._snapshot
@@ -72,6 +80,8 @@ class StatsRecorder:
         fields["num_steps"] += 1
         fields["updated_at"] = time.time()
         self._snapshot = EngineStats(**fields)
+        for listener in self._listeners:
+            listener.record(scheduler_stats, iteration_stats)
 
     def stat_logger_factory(self):
         """A per-engine stat-logger factory for ``AsyncLLM(stat_loggers=[...])`` feeding this recorder."""

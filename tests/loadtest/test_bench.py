@@ -135,6 +135,16 @@ async def test_failed_requests_are_counted_and_do_not_stop_the_run(schedule_url)
         'HTTP 500: {"error":{"message":"asked to fail","type":"internal_error"}}': 3}
 
 
+@pytest.mark.parametrize(("count_tokens", "expected"), [
+    (lambda text: len(text.split()), 7),   # the tokenizer counts "t0 t1 ... t6": 7 words
+    (None, 7),                              # no tokenizer: one token per content chunk, 7 chunks
+])
+async def test_token_counts_fall_back_when_the_server_sends_no_usage(schedule_url, count_tokens, expected):
+    result = await run_benchmark(BenchConfig(base_url=schedule_url, model="schedule"),
+                                 specs(2, 7, prompt="NOUSAGE here"), count_tokens=count_tokens)
+    assert [(r.usage_from_server, r.output_tokens, r.prompt_tokens) for r in result.records] == [(False, expected, 2)] * 2
+
+
 async def test_unknown_model_and_unreachable_server_fail_fast(schedule_url):
     with pytest.raises(BenchError, match="model 'nope' is not served .* it serves: schedule"):
         await run_benchmark(BenchConfig(base_url=schedule_url, model="nope"), specs(1, 1))

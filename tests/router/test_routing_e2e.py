@@ -4,31 +4,8 @@ import random
 from collections import defaultdict
 
 import httpx
-import pytest
 
 from fleetserve.loadtest.datasets import PromptMaker, shared_prefix_dataset
-from fleetserve.platform.config import parse_config
-
-ROUTE_PREFIX = "/routing"
-
-
-@pytest.fixture(scope="module")
-def routing_app(served):
-    from ray import serve
-
-    from fleetserve.deployments.builders import build_app
-
-    two_replicas = {"replicas": 2, "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]},
-                    "engine_args": {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * 2**20}}
-    config = parse_config({"models": [
-        {"name": "tiny-cache-aware", "source": "tiny-random-llama", **two_replicas,
-         "routing": {"policy": "cache_aware"}},
-        {"name": "tiny-default", "source": "tiny-random-llama", **two_replicas,
-         "routing": {"policy": "power_of_two"}},
-    ]})
-    serve.run(build_app(config), name="routing", route_prefix=ROUTE_PREFIX)
-    yield f"{served.base_url}{ROUTE_PREFIX}/v1"
-    serve.delete("routing")
 
 
 def send_workload(url: str, model: str) -> tuple[dict[int, set[str]], list[str], float]:
@@ -50,7 +27,8 @@ def send_workload(url: str, model: str) -> tuple[dict[int, set[str]], list[str],
     return replicas_by_group, reasons, cached_tokens / prompt_tokens
 
 
-def test_cache_aware_keeps_groups_together_and_raises_engine_hit_rate(routing_app):
+def test_cache_aware_keeps_groups_together_and_raises_engine_hit_rate(two_replica_app):
+    routing_app = two_replica_app.api_url
     groups, reasons, hit_rate = send_workload(routing_app, "tiny-cache-aware")
     assert all(len(replicas) == 1 for replicas in groups.values())  # each group on one replica
     assert len(set().union(*groups.values())) == 2                  # and both replicas are used

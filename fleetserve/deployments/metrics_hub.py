@@ -1,0 +1,48 @@
+"""Collects each engine replica's metrics exposition so the ingress can serve one ``/metrics``.
+
+Ray's own metrics export renames every metric (``ray_`` prefix), which would break vLLM's names;
+so replicas publish their own prometheus-client expositions here instead, about once a second.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+from ray import serve
+
+
+class MetricsHub:
+    """The latest exposition of every live engine replica.
+
+    Args:
+        ttl_s: a replica silent this long is gone (dead or scaled down) and its series are dropped.
+    """
+
+    def __init__(self, ttl_s: float = 15.0) -> None:
+        self.ttl_s = ttl_s
+        # replica id -> (model, pool, pushed at, exposition)
+        self._latest: dict[str, tuple[str, str, float, bytes]] = {}
+
+    def _prune(self) -> None:
+        horizon = time.monotonic() - self.ttl_s
+        for replica_id in [key for key, entry in self._latest.items() if entry[2] < horizon]:
+            del self._latest[replica_id]
+
+    async def push(self, replica_id: str, model: str, pool: str, exposition: bytes) -> None:
+        self._latest[replica_id] = (model, pool, time.monotonic(), exposition)
+
+    async def remove(self, replica_id: str) -> None:
+        self._latest.pop(replica_id, None)
+
+    async def collect(self) -> tuple[list[bytes], dict[tuple[str, str], int]]:
+        """Every live replica's exposition, and the number of live replicas per (model, pool)."""
+        self._prune()
+        counts = Counter((model, pool) for model, pool, _, _ in self._latest.values())
+        return [entry[3] for entry in self._latest.values()], dict(counts)
+
+
+@serve.deployment(name="metrics-hub", num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0},
+                  logging_config={"enable_access_log": False})  # a push per replica per second
+class MetricsHubDeployment(MetricsHub):
+    """Ray Serve replica of the hub; one per application."""

@@ -1,0 +1,152 @@
+"""Prometheus metrics for one engine, under vLLM's own names and meanings.
+
+Existing vLLM dashboards and KEDA examples then work unchanged. Each engine keeps its own registry
+(so the exposition holds only its series) and labels every series with ``model_name``, ``replica``
+and ``pool``; the serving layer publishes the exposition and the ingress serves the union.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+# *_created series double the exposition and no vLLM dashboard reads them.
+disable_created_metrics()
+
+LABELS = ("model_name", "replica", "pool")
+
+# vLLM's default bucket bounds (vllm/v1/metrics/buckets.py), used when vLLM is not importable.
+_FALLBACK_BUCKETS = {
+    "time_to_first_token": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                            7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0],
+    "inter_token_latency": [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                            10.0, 20.0, 40.0, 80.0],
+    "request_latency": [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                        240.0, 480.0, 960.0, 1920.0, 7680.0],
+}
+
+
+def _buckets(family: str) -> list[float]:
+    try:
+        from vllm.v1.metrics.buckets import histogram_buckets
+
+        return histogram_buckets(family)
+    except (ImportError, ValueError, TypeError):
+        return _FALLBACK_BUCKETS[family]
+
+
+class EngineMetrics:
+    """vLLM-named metrics of one engine replica, fed from the engine's stat logger."""
+
+    def __init__(self, model_name: str, replica: str, pool: str = "colocated") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        values = (model_name, replica, pool)
+
+        def gauge(name: str, doc: str) -> Any:
+            return Gauge(name, doc, LABELS, registry=self.registry).labels(*values)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, LABELS, registry=self.registry).labels(*values)
+
+        def histogram(name: str, doc: str, family: str) -> Any:
+            return Histogram(name, doc, LABELS, buckets=_buckets(family), registry=self.registry).labels(*values)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter("vllm:prefix_cache_queries",
+                                            "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter("vllm:prefix_cache_hits",
+                                         "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemption from the engine.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        self._request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                        [*LABELS, "finished_reason"], registry=self.registry)
+        self._values = values
+        self.time_to_first_token = histogram("vllm:time_to_first_token_seconds",
+                                             "Histogram of time to first token in seconds.", "time_to_first_token")
+        self.inter_token_latency = histogram("vllm:inter_token_latency_seconds",
+                                             "Histogram of inter-token latency in seconds.", "inter_token_latency")
+        self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
+                                             "Histogram of e2e request latency in seconds.", "request_latency")
+
+    def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
+        """Folds one engine step in; arguments are vLLM's SchedulerStats and IterationStats."""
+        if scheduler_stats is not None:
+            self.num_requests_running.set(scheduler_stats.num_running_reqs)
+            self.num_requests_waiting.set(scheduler_stats.num_waiting_reqs)
+            self.kv_cache_usage.set(scheduler_stats.kv_cache_usage)
+            prefix = scheduler_stats.prefix_cache_stats
+            if prefix is not None:
+                self.prefix_cache_queries.inc(prefix.queries)
+                self.prefix_cache_hits.inc(prefix.hits)
+        if iteration_stats is None:
+            return
+        self.num_preemptions.inc(iteration_stats.num_preempted_reqs)
+        self.prompt_tokens.inc(iteration_stats.num_prompt_tokens)
+        self.generation_tokens.inc(iteration_stats.num_generation_tokens)
+        for seconds in iteration_stats.time_to_first_tokens_iter:
+            self.time_to_first_token.observe(seconds)
+        for seconds in iteration_stats.inter_token_latencies_iter:
+            self.inter_token_latency.observe(seconds)
+        for finished in iteration_stats.finished_requests:
+            reason = str(getattr(finished.finish_reason, "name", finished.finish_reason)).lower()
+            self._request_success.labels(*self._values, reason).inc()
+            self.e2e_request_latency.observe(finished.e2e_latency)
+
+    def exposition(self) -> bytes:
+        """This engine's series in Prometheus text format."""
+        return generate_latest(self.registry)
+
+
+class _Families:
+    def __init__(self, families: list[Any]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Any]:
+        return self.families
+
+
+def merge_expositions(texts: Iterable[bytes | str]) -> bytes:
+    """One valid exposition from several: each family once, with every source's samples.
+
+    Concatenating expositions would repeat ``# TYPE`` lines, which Prometheus rejects.
+    """
+    families: dict[str, Any] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text.decode() if isinstance(text, bytes) else text):
+            if family.name in families:
+                families[family.name].samples.extend(family.samples)
+            else:
+                families[family.name] = family
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Families(list(families.values())))
+    return generate_latest(registry)
+
+
+class PlatformMetrics:
+    """The ingress's own ``fleetserve_*`` metrics: what the platform adds in front of the engines."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.requests = Counter("fleetserve_requests", "API requests by route, model and HTTP status.",
+                                ["route", "model", "status"], registry=self.registry)
+        self.queue_time = Histogram("fleetserve_ingress_queue_seconds",
+                                    "Time from the request reaching the ingress to an engine starting on it.",
+                                    ["model"], registry=self.registry,
+                                    buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30])
+        self.routing_decisions = Counter("fleetserve_routing_decisions", "Replica-routing decisions by reason.",
+                                         ["model", "reason"], registry=self.registry)
+        self.cost = Counter("fleetserve_estimated_cost_dollars",
+                            "Estimated cost of served tokens at the model's configured prices.", ["model"],
+                            registry=self.registry)
+        self.replicas = Gauge("fleetserve_replicas", "Engine replicas currently reporting, per deployment.",
+                              ["model", "pool"], registry=self.registry)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,82 @@
+"""``fleetserve status``: per-replica state read from a running platform's ``/metrics``."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+from rich.table import Table
+
+# Series keyed by (model, pool, replica).
+ReplicaKey = tuple[str, str, str]
+
+
+@dataclass
+class Scrape:
+    """The engine series of one scrape, per replica, and when it was taken."""
+
+    taken_at: float
+    gauges: dict[ReplicaKey, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    counters: dict[ReplicaKey, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+
+
+_GAUGES = {"vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"}
+_COUNTERS = {"vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
+             "vllm:prefix_cache_queries_total", "vllm:request_success_total"}
+
+
+def parse_metrics(text: str, taken_at: float) -> Scrape:
+    scrape = Scrape(taken_at)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name not in _GAUGES and sample.name not in _COUNTERS:
+                continue
+            labels = sample.labels
+            key = (labels.get("model_name", "?"), labels.get("pool", "?"), labels.get("replica", "?"))
+            target = scrape.gauges if sample.name in _GAUGES else scrape.counters
+            target[key][sample.name] = target[key].get(sample.name, 0.0) + sample.value
+    return scrape
+
+
+def fetch(url: str, client: httpx.Client, now: float) -> Scrape:
+    """Scrapes ``{url}/metrics``.
+
+    Raises:
+        httpx.HTTPError: the platform is unreachable or answered with an error.
+    """
+    response = client.get(f"{url.rstrip('/')}/metrics", timeout=5)
+    response.raise_for_status()
+    return parse_metrics(response.text, now)
+
+
+def status_table(before: Scrape, after: Scrape, url: str) -> Table:
+    """Models, replicas, KV usage, queues and token rates between two scrapes."""
+    elapsed = max(after.taken_at - before.taken_at, 1e-9)
+    table = Table(title=f"fleetserve status: {url}")
+    for column in ("model", "pool", "replica", "KV usage", "running", "waiting", "gen tok/s", "prompt tok/s",
+                   "prefix hit", "requests"):
+        table.add_column(column, justify="left" if column in ("model", "pool", "replica") else "right")
+    keys = sorted(set(after.gauges) | set(after.counters))
+    replicas_per_model: dict[str, int] = defaultdict(int)
+    for key in keys:
+        gauges, now, then = after.gauges.get(key, {}), after.counters.get(key, {}), before.counters.get(key, {})
+
+        def rate(name: str) -> float:
+            return max(0.0, now.get(name, 0.0) - then.get(name, 0.0)) / elapsed
+
+        queries = now.get("vllm:prefix_cache_queries_total", 0.0)
+        hit = f"{now.get('vllm:prefix_cache_hits_total', 0.0) / queries:.0%}" if queries else "-"
+        replicas_per_model[key[0]] += 1
+        table.add_row(key[0], key[1], key[2], f"{gauges.get('vllm:kv_cache_usage_perc', 0.0):.1%}",
+                      f"{gauges.get('vllm:num_requests_running', 0.0):.0f}",
+                      f"{gauges.get('vllm:num_requests_waiting', 0.0):.0f}",
+                      f"{rate('vllm:generation_tokens_total'):.1f}", f"{rate('vllm:prompt_tokens_total'):.1f}",
+                      hit, f"{now.get('vllm:request_success_total', 0.0):.0f}")
+    if not keys:
+        table.caption = "no engine replicas are reporting yet"
+    else:
+        table.caption = "  ".join(f"{model}: {count} replica{'s' if count > 1 else ''}"
+                                  for model, count in sorted(replicas_per_model.items()))
+    return table

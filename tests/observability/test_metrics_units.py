@@ -1,0 +1,82 @@
+"""vLLM-named engine metrics, exposition merging and the status view's arithmetic, without a server."""
+
+import json
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
+
+from fleetserve.platform.metrics import EngineMetrics, PlatformMetrics, merge_expositions
+from fleetserve.platform.status import parse_metrics, status_table
+
+DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "fleetserve" / "dashboards" / "fleetserve.json"
+
+
+def samples(text: bytes) -> dict:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text.decode()) for s in family.samples}
+
+
+def step(num_running=2, num_waiting=1, kv=0.25, queries=10, hits=4, prompt=10, generated=3, ttfts=(0.2,),
+         itls=(0.01, 0.02), finished=1) -> tuple[SchedulerStats, IterationStats]:
+    scheduler = SchedulerStats(num_running_reqs=num_running, num_waiting_reqs=num_waiting, kv_cache_usage=kv,
+                               prefix_cache_stats=PrefixCacheStats(requests=1, queries=queries, hits=hits))
+    iteration = IterationStats()
+    iteration.prompt_token_stats.total, iteration.num_generation_tokens = prompt, generated
+    iteration.time_to_first_tokens_iter, iteration.inter_token_latencies_iter = list(ttfts), list(itls)
+    iteration.finished_requests = [FinishedRequestStats(finish_reason="length", e2e_latency=1.5)] * finished
+    return scheduler, iteration
+
+
+def test_engine_metrics_use_vllm_names_labels_and_accumulate():
+    metrics = EngineMetrics("m", "r0", "decode")
+    metrics.record(*step())
+    metrics.record(*step(num_running=0, num_waiting=0, kv=0.0, finished=0, ttfts=()))
+    got = samples(metrics.exposition())
+    labels = (("model_name", "m"), ("pool", "decode"), ("replica", "r0"))
+    # Gauges hold the last step; counters add both steps: 10 + 10 prompt tokens, 3 + 3 generated, 4 + 4 hits.
+    assert got[("vllm:num_requests_running", labels)] == 0 and got[("vllm:kv_cache_usage_perc", labels)] == 0
+    assert got[("vllm:prompt_tokens_total", labels)] == 20 and got[("vllm:generation_tokens_total", labels)] == 6
+    assert got[("vllm:prefix_cache_hits_total", labels)] == 8 and got[("vllm:prefix_cache_queries_total", labels)] == 20
+    assert got[("vllm:request_success_total", (("finished_reason", "length"), *labels))] == 1
+    assert got[("vllm:time_to_first_token_seconds_count", labels)] == 1
+    assert got[("vllm:inter_token_latency_seconds_count", labels)] == 4   # 2 gaps per step
+    assert got[("vllm:e2e_request_latency_seconds_sum", labels)] == 1.5
+
+
+def test_merged_exposition_keeps_every_replica_and_parses():
+    replicas = [EngineMetrics("m", f"r{i}") for i in range(2)]
+    for replica in replicas:
+        replica.record(*step())
+    merged = merge_expositions([PlatformMetrics().exposition()] + [r.exposition() for r in replicas])
+    text = merged.decode()
+    assert text.count("# TYPE vllm:prompt_tokens_total counter") == 1
+    got = samples(merged)
+    assert sum(v for (name, _), v in got.items() if name == "vllm:request_success_total") == 2
+
+
+def test_status_table_rates_between_two_scrapes():
+    metrics = EngineMetrics("m", "r0")
+    metrics.record(*step(generated=10))
+    before = parse_metrics(metrics.exposition().decode(), taken_at=100.0)
+    metrics.record(*step(generated=30, kv=0.5))
+    after = parse_metrics(metrics.exposition().decode(), taken_at=102.0)
+    table = status_table(before, after, "http://x")
+    row = [column._cells[0] for column in table.columns]
+    # 30 tokens in 2 s = 15.0 tok/s; prompt 10 in 2 s = 5.0; hits 8 of 20 queried = 40%.
+    assert row == ["m", "colocated", "r0", "50.0%", "2", "1", "15.0", "5.0", "40%", "2"]
+
+
+def dashboard_metric_names() -> set[str]:
+    exprs = [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel["targets"]]
+    return {name for expr in exprs for name in re.findall(r"\b(vllm:[a-z_]+|fleetserve_[a-z_]+)", expr)}
+
+
+def test_dashboard_covers_the_asked_panels():
+    names = dashboard_metric_names()
+    for needed in ("vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
+                   "vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:generation_tokens_total",
+                   "fleetserve_requests_total", "fleetserve_routing_decisions_total",
+                   "fleetserve_estimated_cost_dollars_total"):
+        assert needed in names
