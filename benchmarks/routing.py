@@ -3,8 +3,9 @@
     .venv/bin/python benchmarks/routing.py [--num-prompts 96]
 
 For each router the app is redeployed (same engines, same cores: one core per replica) and loaded
-with `fleetserve bench`'s runner: a shared-prefix workload (8 groups, long common prefixes), then a
-workload with no shared prefix to show what the policy costs where there is nothing to reuse.
+with `fleetserve bench`'s runner: shared-prefix workloads (768-token prefixes; 8 groups, which fit
+in every replica's KV cache, and 24, which fit only when split between replicas), then a workload
+with no shared prefix to show what the policy costs where there is nothing to reuse.
 """
 
 from __future__ import annotations
@@ -39,11 +40,16 @@ def workloads(num_prompts: int):
     from fleetserve.platform.model_store import resolve_source
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_source("smollm2-135m-instruct")))
-    shared = shared_prefix_dataset(num_prompts, num_groups=8, prefix_len=768, suffix_len=32, output_len=16,
-                                   maker=PromptMaker(tokenizer, random.Random(0)))
+
+    def shared(num_groups: int):
+        return shared_prefix_dataset(num_prompts, num_groups=num_groups, prefix_len=768, suffix_len=32,
+                                     output_len=16, maker=PromptMaker(tokenizer, random.Random(num_groups)))
+
     unique = random_dataset(num_prompts // 2, input_len=800, output_len=16, range_ratio=0.0, prefix_len=0,
                             maker=PromptMaker(tokenizer, random.Random(1)))
-    return {"shared-prefix": shared, "no-shared-prefix": unique}
+    # One replica's 256 MiB KV cache holds ~11.6k SmolLM2 tokens (23 KiB each): ~14 of these 800-token
+    # prompts. 8 groups fit in every replica; 24 fit only if each replica keeps its own half.
+    return {"shared-prefix-8-groups": shared(8), "shared-prefix-24-groups": shared(24), "no-shared-prefix": unique}
 
 
 async def measure(specs, rate: float):

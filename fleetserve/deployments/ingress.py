@@ -108,6 +108,7 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
+GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
 
@@ -147,9 +148,11 @@ class OpenAIIngress:
         @app.middleware("http")
         async def count_requests(request: Request, call_next):
             response = await call_next(request)
-            if request.url.path.startswith("/v1/") and request.method == "POST":
+            # The matched route's template, not the URL: under a Serve route prefix the URL carries it too.
+            route = getattr(request.scope.get("route"), "path", None)
+            if route in GENERATION_ROUTES:
                 model = getattr(request.state, "model", None) or "unknown"
-                self.platform_metrics.requests.labels(request.url.path, model, str(response.status_code)).inc()
+                self.platform_metrics.requests.labels(route, model, str(response.status_code)).inc()
             return response
 
         @app.get("/health")

@@ -2,6 +2,7 @@
 a dashboard whose every metric exists, `fleetserve status`, and a real Prometheus server scraping it."""
 
 import json
+import math
 import os
 import re
 import shutil
@@ -85,7 +86,7 @@ def test_counters_summed_over_replicas_equal_requests_served(two_replica_app):
 def test_every_dashboard_metric_is_in_a_live_scrape(two_replica_app):
     send(two_replica_app.base_url, 2)
     exprs = [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel["targets"]]
-    wanted = {name for expr in exprs for name in re.findall(r"\b(vllm:[a-z_]+|fleetserve_[a-z_]+)", expr)}
+    wanted = {name for expr in exprs for name in re.findall(r"\b(vllm:[a-z0-9_]+|fleetserve_[a-z0-9_]+)", expr)}
 
     def missing():
         live = {sample.name for family in scrape(two_replica_app.base_url) for sample in family.samples}
@@ -127,21 +128,34 @@ def test_real_prometheus_scrapes_ttft_quantiles_and_kv_usage(two_replica_app, tm
                                 f"--storage.tsdb.path={tmp_path / 'data'}", f"--web.listen-address=127.0.0.1:{port}"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     api = f"http://127.0.0.1:{port}/api/v1/query"
+
+    def query(promql: str) -> list:
+        try:
+            return httpx.get(api, params={"query": promql}, timeout=5).json()["data"]["result"]
+        except (httpx.HTTPError, KeyError, ValueError):
+            return []
+
     try:
+        # Traffic must come after Prometheus's first scrape, or it never sees the counters rise.
+        up = wait_for(lambda: [r for r in query('up{job="fleetserve"}') if r["value"][1] == "1"], timeout_s=60)
+        targets = httpx.get(f"http://127.0.0.1:{port}/api/v1/targets", timeout=5).json() if not up else {}
+        assert up, f"Prometheus could not scrape fleetserve: {targets}"
         send(two_replica_app.base_url, 6)
-        time.sleep(3)
+        time.sleep(2)
         send(two_replica_app.base_url, 6)
 
-        def query(promql: str) -> list:
-            try:
-                return httpx.get(api, params={"query": promql}, timeout=5).json()["data"]["result"]
-            except (httpx.HTTPError, KeyError, ValueError):
-                return []
+        promql = ('histogram_quantile(0.5, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket'
+                  f'{{model_name="{MODEL}"}}[1m])))')
 
-        ttft = wait_for(lambda: query('histogram_quantile(0.5, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket'
-                                      f'{{model_name="{MODEL}"}}[30s])))'), timeout_s=40)
-        assert ttft, "no TTFT quantile from Prometheus"
-        assert 0 < float(ttft[0]["value"][1]) < 10  # seconds: plausible for a tiny model on CPU
+        def ttft_quantile() -> float | None:
+            # NaN until Prometheus has two scrapes that show the counters rising.
+            result = query(promql)
+            value = float(result[0]["value"][1]) if result else math.nan
+            return value if not math.isnan(value) else None
+
+        ttft = wait_for(ttft_quantile, timeout_s=40)
+        assert ttft is not None, f"no TTFT quantile; TTFT counts seen: {query('vllm:time_to_first_token_seconds_count')}"
+        assert 0 < ttft < 10  # seconds: plausible for a tiny model on CPU
         kv = wait_for(lambda: query(f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}}'), timeout_s=20)
         assert len(kv) == 2 and all(0.0 <= float(series["value"][1]) <= 1.0 for series in kv)
     finally:

@@ -70,7 +70,7 @@ def test_status_table_rates_between_two_scrapes():
 
 def dashboard_metric_names() -> set[str]:
     exprs = [target["expr"] for panel in json.loads(DASHBOARD.read_text())["panels"] for target in panel["targets"]]
-    return {name for expr in exprs for name in re.findall(r"\b(vllm:[a-z_]+|fleetserve_[a-z_]+)", expr)}
+    return {name for expr in exprs for name in re.findall(r"\b(vllm:[a-z0-9_]+|fleetserve_[a-z0-9_]+)", expr)}
 
 
 def test_dashboard_covers_the_asked_panels():

@@ -128,3 +128,24 @@ def test_dropped_stream_aborts_engine_request(server, loopback_server):
     # The server noticed the closed connection, cancelled the SSE generator and closed the engine stream.
     assert server.engine.running == set()
     assert len(server.engine.aborted) == 1
+
+
+@pytest.mark.parametrize("prefix", ["", "/routing"])
+async def test_requests_are_counted_by_route_model_and_status(server, prefix):
+    from fastapi import FastAPI
+    from prometheus_client.parser import text_string_to_metric_families
+
+    ingress = OpenAIIngress({"fake": LocalModelClient(server)})
+    app = ingress.build_app()
+    if prefix:  # as under a Serve route prefix: the URL carries the prefix, the route template does not
+        outer = FastAPI()
+        outer.mount(prefix, app)
+        app = outer
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        for _ in range(2):
+            assert (await http.post(f"{prefix}/v1/completions", json={"model": "fake", "prompt": "x"})).status_code == 200
+        assert (await http.post(f"{prefix}/v1/completions", json={"model": "nope", "prompt": "x"})).status_code == 404
+        text = (await http.get(f"{prefix}/metrics")).text
+    counts = {(s.labels["model"], s.labels["status"]): s.value for f in text_string_to_metric_families(text)
+              for s in f.samples if s.name == "fleetserve_requests_total" and s.labels["route"] == "/v1/completions"}
+    assert counts == {("fake", "200"): 2, ("unknown", "404"): 1}
