@@ -67,9 +67,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=96)
     parser.add_argument("--request-rate", type=float, default=1.5)
+    parser.add_argument("--workloads", default="shared-prefix-8-groups,shared-prefix-24-groups,no-shared-prefix",
+                        help="comma-separated subset of the workloads to run")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "routing")
     args = parser.parse_args()
-    loads = workloads(args.num_prompts)
+    loads = {name: specs for name, specs in workloads(args.num_prompts).items() if name in args.workloads.split(",")}
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     rows = []
