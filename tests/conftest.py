@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import pytest
 
+from fleetserve.loadtest.baseline import free_port
 from fleetserve.platform.config import PlatformConfig, parse_config
 from fleetserve.platform.shm import remove_orphaned_segments
 from fleetserve.platform.stats import EngineStats
@@ -19,12 +19,6 @@ MiB = 1024 * 1024
 def pytest_sessionstart(session: pytest.Session) -> None:
     # Earlier runs may have left vLLM segments behind; they would pile up on CI machines.
     remove_orphaned_segments()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def model_entry(name: str = "tiny", source: str = "tiny-random-llama", **engine_args: Any) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 
@@ -10,6 +11,13 @@ import httpx
 
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.model_store import resolve_source
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, for servers started locally."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def bare_vllm_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 8001) -> list[str]:

@@ -6,19 +6,16 @@ state kept there would be a private copy. Modules it imports are pickled by refe
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 
 from fleetserve.router.replica_policy import RoutingDecision
 
 _MAX_RECENT = 10_000
 # Recent decisions by fleetserve request id; the ingress pops them for response headers.
 recent: OrderedDict[str, RoutingDecision] = OrderedDict()
-# Decisions made in this process, by reason.
-counts: Counter[str] = Counter()
 
 
 def record(request_id: str | None, decision: RoutingDecision) -> None:
-    counts[decision.reason] += 1
     if request_id is None:
         return
     recent[request_id] = decision

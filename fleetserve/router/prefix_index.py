@@ -81,9 +81,6 @@ class PrefixIndex:
         while len(blocks) > self.capacity_blocks:
             blocks.popitem(last=False)
 
-    def remove_replica(self, replica_id: str) -> None:
-        self._blocks.pop(replica_id, None)
-
     def retain(self, replica_ids: Iterable[str]) -> None:
         """Forgets replicas that no longer exist."""
         keep = set(replica_ids)

@@ -10,19 +10,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from fleetserve.loadtest.baseline import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
 
 def test_serve_starts_answers_and_stops_on_sigint(tmp_path):
-    port = _free_port()
+    port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
     log = (tmp_path / "serve.log").open("w+")
     process = subprocess.Popen(

@@ -15,6 +15,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from fleetserve.loadtest.baseline import free_port
+
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "fleetserve" / "dashboards" / "fleetserve.json"
 MODEL = "tiny-cache-aware"
 
@@ -118,7 +120,7 @@ def test_real_prometheus_scrapes_ttft_quantiles_and_kv_usage(two_replica_app, tm
     from urllib.parse import urlsplit
 
     target = urlsplit(two_replica_app.base_url)
-    port = _free_port()
+    port = free_port()
     (tmp_path / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         "scrape_configs:\n"
@@ -162,10 +164,3 @@ def test_real_prometheus_scrapes_ttft_quantiles_and_kv_usage(two_replica_app, tm
         process.terminate()
         process.wait(timeout=30)
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
