@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from fleetserve.platform.config import ConfigError, PlatformConfig, default_config, load_config
+from fleetserve.router.commands import router_app
 
 app = typer.Typer(help="fleetserve: serve many LLMs behind one OpenAI-compatible endpoint.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -121,6 +122,8 @@ def status(
                 console.print(f"[red]lost contact with {url}:[/] {error}")
                 raise typer.Exit(1) from None
 
+
+app.add_typer(router_app, name="router")
 
 bench_app = typer.Typer(help="Load-test any OpenAI-compatible endpoint (fleetserve, vLLM, ...).",
                         pretty_exceptions_enable=False)

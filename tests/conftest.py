@@ -12,6 +12,7 @@ from fleetserve.loadtest.baseline import free_port
 from fleetserve.platform.config import PlatformConfig, parse_config
 from fleetserve.platform.shm import remove_orphaned_segments
 from fleetserve.platform.stats import EngineStats
+from factories import synthetic_correctness
 
 MiB = 1024 * 1024
 
@@ -28,12 +29,16 @@ def model_entry(name: str = "tiny", source: str = "tiny-random-llama", **engine_
     return {"name": name, "source": source, "engine_args": args}
 
 
-# The suite's shared app: the tiny model on core 0, SmolLM2 on core 1.
-SERVED_CONFIG = parse_config({"models": [
-    {**model_entry("tiny"), "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]}},
+# The suite's shared app: the tiny model on core 0, SmolLM2 on core 1, and the routed name `auto`
+# (a classifier trained on synthetic_correctness(), calibrated to send half its prompts to smollm2).
+SERVED_MODELS = [
+    {**model_entry("tiny"), "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]},
+     "cost_per_million_input_tokens": 0.1, "cost_per_million_output_tokens": 0.2},
     {**model_entry("smollm2", "smollm2-135m-instruct", max_model_len=2048, kv_cache_memory_bytes=128 * MiB),
-     "resources": {"num_cpus": 0.1, "cpu_binding": ["1"]}},
-]})
+     "resources": {"num_cpus": 0.1, "cpu_binding": ["1"]},
+     "cost_per_million_input_tokens": 1.0, "cost_per_million_output_tokens": 2.0},
+]
+SERVED_CONFIG = parse_config({"models": SERVED_MODELS})
 
 
 @dataclass
@@ -73,17 +78,32 @@ def ray_cluster():
 
 
 @pytest.fixture(scope="session")
-def served(ray_cluster) -> Served:
+def routing_checkpoint(tmp_path_factory) -> Any:
+    """A hashing-embedder classifier trained on synthetic_correctness(), calibrated at strong_fraction 0.5."""
+    from fleetserve.router.embedders import make_embedder
+    from fleetserve.router.quality_router import train_router
+
+    data = synthetic_correctness()
+    router = train_router("classifier", data, make_embedder("hashing-256"))
+    router.calibrate(data.prompts, 0.5, {"reference": "synthetic_correctness()"})
+    return router.save(tmp_path_factory.mktemp("router") / "classifier")
+
+
+@pytest.fixture(scope="session")
+def served(ray_cluster, routing_checkpoint) -> Served:
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
 
+    config = parse_config({"models": SERVED_MODELS, "model_routing": {
+        "checkpoints": {"classifier": str(routing_checkpoint)}, "tiers": ["tiny", "smollm2"],
+        "routes": [{"name": "auto", "router": "classifier", "strong_fraction": 0.5}]}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(SERVED_CONFIG), name="fleetserve", route_prefix="/")
+    serve.run(build_app(config), name="fleetserve", route_prefix="/")
     handles = {model.name: serve.get_deployment_handle(model.deployment_name, "fleetserve")
-               for model in SERVED_CONFIG.models}
-    yield Served(base_url=f"http://127.0.0.1:{port}", config=SERVED_CONFIG, handles=handles)
+               for model in config.models}
+    yield Served(base_url=f"http://127.0.0.1:{port}", config=config, handles=handles)
     serve.shutdown()
 
 

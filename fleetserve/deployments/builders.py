@@ -48,4 +48,5 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True) -> Applicati
         model_path = str(resolve_source(model.source)) if resolve_locally else None
         engines[model.name] = EngineDeployment.options(**model.deployment_options()).bind(
             model.model_dump(), bindings[model.name], model_path, hub)
-    return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models})
+    routing = config.model_routing.model_dump() if config.model_routing is not None else None
+    return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models}, routing)

@@ -10,6 +10,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, Protocol
 
@@ -24,7 +25,9 @@ from fleetserve.deployments.protocol import (
     HEADER_POOL,
     HEADER_REPLICA,
     HEADER_REQUEST_ID,
+    HEADER_ROUTE,
     HEADER_ROUTE_REASON,
+    HEADER_WIN_RATE,
     HEADER_SESSION,
     APIError,
     ChatCompletionRequest,
@@ -32,10 +35,11 @@ from fleetserve.deployments.protocol import (
     ResponseBuilder,
     new_id,
 )
-from fleetserve.platform.config import ModelConfig
+from fleetserve.platform.config import ModelConfig, ModelRoutingConfig
 from fleetserve.platform.engine import EngineRequestError
 from fleetserve.platform.metrics import PlatformMetrics, merge_expositions
 from fleetserve.router import decisions
+from fleetserve.router.model_routes import RouteChoice, RouteError, RouteTable, routing_text
 
 logger = logging.getLogger(__name__)
 
@@ -122,16 +126,25 @@ class OpenAIIngress:
         metrics_source: returns the engines' metric expositions for ``/metrics``; None serves only
             the ingress's own metrics.
         models: model name -> config, for cost estimates.
+        routes: routed model names (cost/quality routing); None serves models only by their names.
+        route_on: what the router reads of a chat (see ``routing_text``).
     """
 
     def __init__(self, clients: dict[str, ModelClient], pool: str = "colocated",
-                 metrics_source: MetricsSource | None = None, models: dict[str, ModelConfig] | None = None) -> None:
+                 metrics_source: MetricsSource | None = None, models: dict[str, ModelConfig] | None = None,
+                 routes: RouteTable | None = None) -> None:
         self.clients = clients
         self.pool = pool
         self.created = int(time.time())
         self.metrics_source = metrics_source
         self.models = models or {}
+        self.routes = routes
+        # One thread: embedding uses one torch thread, and the event loop must not wait on it.
+        self._route_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-router")
         self.platform_metrics = PlatformMetrics()
+
+    def _known(self, name: str) -> bool:
+        return name in self.clients or (self.routes is not None and self.routes.is_routed(name))
 
     def build_app(self) -> FastAPI:
         """The FastAPI app serving the API."""
@@ -165,18 +178,21 @@ class OpenAIIngress:
 
         @app.get("/v1/models")
         async def models() -> dict[str, Any]:
+            routed = self.routes.names() if self.routes is not None else []
             return {"object": "list", "data": [
                 {"id": name, "object": "model", "created": self.created, "owned_by": "fleetserve"}
-                for name in self.clients]}
+                for name in self.clients] + [
+                {"id": name, "object": "model", "created": self.created, "owned_by": "fleetserve-router"}
+                for name in routed]}
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, raw: Request):
-            raw.state.model = body.model if body.model in self.clients else None
+            raw.state.model = body.model if self._known(body.model) else None
             return await self.serve_request("chat", body, raw.headers.get(HEADER_SESSION))
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, raw: Request):
-            raw.state.model = body.model if body.model in self.clients else None
+            raw.state.model = body.model if self._known(body.model) else None
             return await self.serve_request("completion", body, raw.headers.get(HEADER_SESSION))
 
         return app
@@ -191,10 +207,31 @@ class OpenAIIngress:
                 self.platform_metrics.replicas.labels(model, pool).set(count)
         return merge_expositions([self.platform_metrics.exposition(), *engine_texts])
 
-    def _account(self, model: str, usage_prompt: int, usage_completion: int) -> None:
+    def _account(self, model: str, usage_prompt: int, usage_completion: int, choice: RouteChoice | None = None) -> None:
         config = self.models.get(model)
-        if config is not None:
-            self.platform_metrics.cost.labels(model).inc(config.request_cost(usage_prompt, usage_completion))
+        if config is None:
+            return
+        cost = config.request_cost(usage_prompt, usage_completion)
+        self.platform_metrics.cost.labels(model).inc(cost)
+        strongest = self.models.get(choice.strongest_model) if choice is not None else None
+        if strongest is not None:
+            saved = strongest.request_cost(usage_prompt, usage_completion) - cost
+            self.platform_metrics.route_cost_saved.labels(choice.route).inc(max(0.0, saved))
+
+    async def _route(self, kind: str, body: ChatCompletionRequest | CompletionRequest) -> RouteChoice:
+        """Resolves a routed model name to the served model for this request."""
+        try:
+            route = self.routes.resolve(body.model)
+        except RouteError as error:
+            raise APIError(str(error), 400, param="model", code="invalid_route") from None
+        if kind == "completion" and not isinstance(body.prompt, str):
+            raise APIError(f"routed model `{body.model}` needs a text prompt, not token ids", 400, param="prompt")
+        text = routing_text(body.rendered_messages() if kind == "chat" else None,
+                            body.prompt if kind == "completion" else None, self.routes.config.route_on)
+        loop = asyncio.get_running_loop()
+        choice = await loop.run_in_executor(self._route_executor, RouteTable.choose, route, text)
+        self.platform_metrics.model_route_decisions.labels(choice.route, choice.model).inc()
+        return choice
 
     @staticmethod
     def validation_error(error: RequestValidationError) -> APIError:
@@ -220,7 +257,11 @@ class OpenAIIngress:
                             body: ChatCompletionRequest | CompletionRequest, session_id: str | None = None):
         """Runs one API request; returns a JSON or an SSE streaming response."""
         received_at = time.time()
-        client = self._client(body.model)
+        choice = None
+        if body.model not in self.clients and self.routes is not None and self.routes.is_routed(body.model):
+            choice = await self._route(kind, body)
+        model = choice.model if choice is not None else body.model
+        client = self._client(model)
         request_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
         options = body.sampling_options(default_max_tokens=None if kind == "chat" else 16)
         engine_request = EngineRequest(
@@ -234,17 +275,21 @@ class OpenAIIngress:
             raise APIError("the engine returned no output", 500, "internal_error") from None
         except Exception as error:  # noqa: BLE001 - every engine failure becomes an API error
             raise as_api_error(error) from None
-        headers = {HEADER_MODEL: body.model, HEADER_REPLICA: first.replica_id, HEADER_POOL: self.pool,
+        headers = {HEADER_MODEL: model, HEADER_REPLICA: first.replica_id, HEADER_POOL: self.pool,
                    HEADER_REQUEST_ID: request_id}
+        if choice is not None:
+            headers[HEADER_ROUTE] = choice.route
+            if choice.win_rate is not None:
+                headers[HEADER_WIN_RATE] = f"{choice.win_rate:.6f}"
         reason = client.route_reason(request_id)
         if reason is not None:
             headers[HEADER_ROUTE_REASON] = reason
-            self.platform_metrics.routing_decisions.labels(body.model, reason).inc()
+            self.platform_metrics.routing_decisions.labels(model, reason).inc()
         if first.started_at:
-            self.platform_metrics.queue_time.labels(body.model).observe(max(0.0, first.started_at - received_at))
-        builder = ResponseBuilder(kind, body.model, request_id)
+            self.platform_metrics.queue_time.labels(model).observe(max(0.0, first.started_at - received_at))
+        builder = ResponseBuilder(kind, model, request_id)
         if body.stream:
-            return StreamingResponse(self._sse_stream(builder, first, stream, body.include_usage),
+            return StreamingResponse(self._sse_stream(builder, first, stream, body.include_usage, choice),
                                      media_type="text/event-stream", headers=headers)
         deltas = [first.delta]
         try:
@@ -253,11 +298,12 @@ class OpenAIIngress:
         except Exception as error:  # noqa: BLE001
             return _error_response(as_api_error(error), headers)
         response = builder.full(deltas)
-        self._account(body.model, builder.usage.prompt_tokens, builder.usage.completion_tokens)
+        self._account(model, builder.usage.prompt_tokens, builder.usage.completion_tokens, choice)
         return JSONResponse(response, headers=headers)
 
     async def _sse_stream(self, builder: ResponseBuilder, first: EngineChunk,
-                          stream: AsyncIterator[EngineChunk], include_usage: bool) -> AsyncIterator[bytes]:
+                          stream: AsyncIterator[EngineChunk], include_usage: bool,
+                          choice: RouteChoice | None = None) -> AsyncIterator[bytes]:
         try:
             payload = builder.chunk(first.delta)
             if payload is not None:
@@ -273,7 +319,7 @@ class OpenAIIngress:
         finally:
             # A client that went away cancels this generator; closing the engine stream aborts the request.
             await stream.aclose()
-            self._account(builder.model, builder.usage.prompt_tokens, builder.usage.completion_tokens)
+            self._account(builder.model, builder.usage.prompt_tokens, builder.usage.completion_tokens, choice)
         if include_usage:
             yield _sse(builder.usage_chunk())
         yield b"data: [DONE]\n\n"
@@ -285,11 +331,12 @@ class IngressDeployment(OpenAIIngress):
     """Ray Serve replica of the ingress; each model is reached through its engine deployment's handle."""
 
     def __init__(self, engine_handles: dict[str, Any], metrics_hub: Any = None,
-                 models: dict[str, dict[str, Any]] | None = None) -> None:
+                 models: dict[str, dict[str, Any]] | None = None, model_routing: dict[str, Any] | None = None) -> None:
         source = metrics_hub.collect.remote if metrics_hub is not None else None
         configs = {name: ModelConfig.model_validate(model) for name, model in (models or {}).items()}
+        routes = RouteTable(ModelRoutingConfig.model_validate(model_routing)) if model_routing else None
         super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
-                         metrics_source=source, models=configs)
+                         metrics_source=source, models=configs, routes=routes)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.build_app()

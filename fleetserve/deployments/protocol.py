@@ -21,6 +21,9 @@ HEADER_REPLICA = "x-fleetserve-replica"
 HEADER_POOL = "x-fleetserve-pool"
 # Why the replica router chose that replica: cache_hit, load, imbalance, session, round_robin, power_of_two.
 HEADER_ROUTE_REASON = "x-fleetserve-route-reason"
+# The routed name a cost/quality route resolved (e.g. "auto"), and the strong win rate it computed.
+HEADER_ROUTE = "x-fleetserve-route"
+HEADER_WIN_RATE = "x-fleetserve-win-rate"
 # Clients may name a session for session-affinity routing (the body's `user` field works too).
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"

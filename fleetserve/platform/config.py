@@ -158,6 +158,45 @@ class ModelConfig(_Strict):
         return options
 
 
+class ModelRoute(_Strict):
+    """A routed model name: a cost/quality router picks one of several served models per request."""
+
+    # The name clients send as ``model``, e.g. "auto".
+    name: str
+    # random, mf or classifier (see fleetserve.router.quality_router).
+    router: Literal["random", "mf", "classifier"]
+    # Escalate to a stronger tier when its predicted win rate is at or above this (RouteLLM's threshold).
+    threshold: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Instead of a threshold: the share of traffic to send to the strongest tier, looked up in the
+    # checkpoint's calibrations (``fleetserve router calibrate``).
+    strong_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Served model names, cheapest first; None takes model_routing.tiers.
+    tiers: list[str] | None = None
+    # The checkpoint's model each tier stands for, in tier order; None maps them by strength order.
+    checkpoint_models: list[str] | None = None
+
+    @model_validator(mode="after")
+    def _one_bar(self) -> ModelRoute:
+        if (self.threshold is None) == (self.strong_fraction is None):
+            raise ValueError("set exactly one of threshold or strong_fraction")
+        if self.name.startswith("router-"):
+            raise ValueError("route names starting with 'router-' are reserved for router-<router>-<threshold>")
+        return self
+
+
+class ModelRoutingConfig(_Strict):
+    """Cost/quality routing: model names that a router resolves to one of the served models."""
+
+    # Router checkpoint folder per router kind (``fleetserve router train``); random needs none.
+    checkpoints: dict[Literal["mf", "classifier"], str] = Field(default_factory=dict)
+    # Served models cheapest first, for RouteLLM-style names ``router-<router>-<threshold>`` and
+    # routes without their own tiers.
+    tiers: list[str] = Field(default_factory=list)
+    # What the router reads: the last user message (RouteLLM), all user messages, or the whole chat.
+    route_on: Literal["last_user", "all_user", "all"] = "last_user"
+    routes: list[ModelRoute] = Field(default_factory=list)
+
+
 class ServerConfig(_Strict):
     """Where the OpenAI-compatible endpoint listens."""
 
@@ -170,6 +209,8 @@ class PlatformConfig(_Strict):
 
     server: ServerConfig = Field(default_factory=ServerConfig)
     models: list[ModelConfig] = Field(min_length=1)
+    # Routed model names; None serves only the models by their own names.
+    model_routing: ModelRoutingConfig | None = None
 
     @model_validator(mode="after")
     def _unique_names(self) -> PlatformConfig:
@@ -178,6 +219,42 @@ class PlatformConfig(_Strict):
             if model.name in seen:
                 raise ValueError(f"model name {model.name!r} appears twice; names must be unique")
             seen.add(model.name)
+        return self
+
+    @model_validator(mode="after")
+    def _routes_name_served_models(self) -> PlatformConfig:
+        routing = self.model_routing
+        if routing is None:
+            return self
+        served = {model.name: model for model in self.models}
+        tier_lists = [("model_routing.tiers", routing.tiers)] if routing.tiers else []
+        names: set[str] = set()
+        for route in routing.routes:
+            where = f"model_routing.routes[{route.name}]"
+            if route.name in served or route.name in names:
+                raise ValueError(f"{where}: the name is already a served model or another route")
+            names.add(route.name)
+            if route.tiers is None and not routing.tiers:
+                raise ValueError(f"{where}: no tiers; set tiers here or model_routing.tiers")
+            if route.router != "random" and route.router not in routing.checkpoints:
+                raise ValueError(f"{where}: router {route.router!r} needs model_routing.checkpoints.{route.router}")
+            if route.tiers is not None:
+                tier_lists.append((f"{where}.tiers", route.tiers))
+            tiers = route.tiers or routing.tiers
+            if route.checkpoint_models is not None and len(route.checkpoint_models) != len(tiers):
+                raise ValueError(f"{where}: checkpoint_models has {len(route.checkpoint_models)} entries "
+                                 f"for {len(tiers)} tiers")
+        for where, tiers in tier_lists:
+            if len(tiers) < 2 or len(set(tiers)) != len(tiers):
+                raise ValueError(f"{where}: expected at least two distinct served models, cheapest first")
+            unknown = [name for name in tiers if name not in served]
+            if unknown:
+                raise ValueError(f"{where}: {unknown} are not served models ({sorted(served)})")
+            prices = [(served[n].cost_per_million_output_tokens, served[n].cost_per_million_input_tokens)
+                      for n in tiers]
+            if prices != sorted(prices):
+                raise ValueError(f"{where}: tiers must be ordered cheapest first by cost per 1M output "
+                                 f"(then input) tokens; got {dict(zip(tiers, prices))}")
         return self
 
     def model(self, name: str) -> ModelConfig:
@@ -231,7 +308,12 @@ def load_config(path: str | Path) -> PlatformConfig:
         data = yaml.safe_load(text)
     except yaml.YAMLError as error:
         raise ConfigError(f"platform config {path} is not valid YAML: {error}") from None
-    return parse_config(data, origin=str(path))
+    config = parse_config(data, origin=str(path))
+    if config.model_routing is not None:
+        # Checkpoint paths are relative to the config file, wherever Serve replicas start.
+        config.model_routing.checkpoints = {kind: str((path.parent / folder).resolve())
+                                            for kind, folder in config.model_routing.checkpoints.items()}
+    return config
 
 
 def default_config() -> PlatformConfig:

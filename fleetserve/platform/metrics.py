@@ -145,6 +145,12 @@ class PlatformMetrics:
         self.cost = Counter("fleetserve_estimated_cost_dollars",
                             "Estimated cost of served tokens at the model's configured prices.", ["model"],
                             registry=self.registry)
+        self.model_route_decisions = Counter("fleetserve_model_route_decisions",
+                                             "Cost/quality routing decisions by routed name and chosen model.",
+                                             ["route", "model"], registry=self.registry)
+        self.route_cost_saved = Counter("fleetserve_route_cost_saved_dollars",
+                                        "Estimated dollars saved by routed requests against always using the "
+                                        "route's strongest tier.", ["route"], registry=self.registry)
         self.replicas = Gauge("fleetserve_replicas", "Engine replicas currently reporting, per deployment.",
                               ["model", "pool"], registry=self.registry)
 

@@ -1,0 +1,183 @@
+"""Routed model names: which served model answers a request sent to ``auto`` or ``router-mf-0.3``.
+
+A route has a router, a threshold and tiers (served models, cheapest first). It picks the cheapest
+tier that the strongest tier is not predicted to beat: tier i is chosen when
+``win_rate(strongest, tier_i) < threshold``. With two tiers this is exactly RouteLLM's rule (strong
+when the strong win rate is at or above the threshold); threshold 0 always picks the strongest
+tier, threshold 1 always the cheapest.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from fleetserve.platform.config import ModelRoutingConfig
+from fleetserve.router.quality_router import ROUTER_KINDS, CostQualityRouter, load_router, random_router
+
+_ROUTELLM_NAME = re.compile(r"^router-([^-]+)-(.*)$")
+
+
+class RouteError(ValueError):
+    """A routed model name that does not resolve; the message lists the valid routes."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """A resolved routed name."""
+
+    name: str
+    router: CostQualityRouter
+    threshold: float
+    # Served model names, cheapest first.
+    tiers: tuple[str, ...]
+    # The router's model for each tier, same order.
+    checkpoint_models: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    """The served model a route picked for one request, and why."""
+
+    route: str
+    model: str
+    # Index into the route's tiers; the last is the strongest.
+    tier_index: int
+    # Predicted P(strongest tier beats the chosen one); None when the strongest was chosen at threshold 0.
+    win_rate: float | None
+    # The strongest tier, for "cost saved against always-strong".
+    strongest_model: str
+
+
+def calibrated_threshold(router: CostQualityRouter, strong_fraction: float) -> float:
+    """The checkpoint's calibrated threshold for a strong-call share (uniform arithmetic for random).
+
+    Raises:
+        RouteError: when that share was never calibrated for this checkpoint.
+    """
+    if router.kind == "random":
+        return 1.0 - strong_fraction  # win rates are uniform on [0, 1)
+    for entry in router.metadata.get("calibrations", []):
+        if math.isclose(entry["strong_fraction"], strong_fraction, abs_tol=1e-9):
+            return float(entry["threshold"])
+    known = sorted(entry["strong_fraction"] for entry in router.metadata.get("calibrations", []))
+    raise RouteError(f"the {router.kind} checkpoint has no calibration for strong_fraction {strong_fraction} "
+                     f"(it has {known}); run `fleetserve router calibrate CHECKPOINT --strong-fraction "
+                     f"{strong_fraction}`")
+
+
+def _map_tiers(router: CostQualityRouter, tiers: list[str], checkpoint_models: list[str] | None,
+               where: str) -> tuple[str, ...]:
+    if checkpoint_models is not None:
+        unknown = [name for name in checkpoint_models if name not in router.models]
+        if unknown:
+            raise RouteError(f"{where}: checkpoint_models {unknown} are not in the checkpoint ({router.models})")
+        return tuple(checkpoint_models)
+    if len(tiers) == len(router.models):
+        return tuple(router.models)
+    if len(tiers) == 2:
+        return (router.weak, router.strong)
+    raise RouteError(f"{where}: {len(tiers)} tiers but the {router.kind} checkpoint knows {len(router.models)} "
+                     f"models {router.models}; set checkpoint_models")
+
+
+class RouteTable:
+    """Every routed name a platform serves: named routes and RouteLLM-style ``router-<router>-<threshold>``.
+
+    Args:
+        config: the platform's model_routing section (already validated against the served models).
+        routers: router kind -> loaded router; by default loaded from ``config.checkpoints``.
+    """
+
+    def __init__(self, config: ModelRoutingConfig, routers: dict[str, CostQualityRouter] | None = None) -> None:
+        self.config = config
+        if routers is None:
+            routers = {kind: load_router(path) for kind, path in config.checkpoints.items()}
+        self.routers = dict(routers)
+        if "random" not in self.routers:
+            self.routers["random"] = random_router(["weak", "strong"])
+        self.named: dict[str, Route] = {}
+        for spec in config.routes:
+            router = self.routers[spec.router]
+            tiers = spec.tiers or config.tiers
+            threshold = spec.threshold if spec.threshold is not None else calibrated_threshold(
+                router, spec.strong_fraction)
+            self.named[spec.name] = Route(spec.name, router, threshold, tuple(tiers),
+                                          _map_tiers(router, tiers, spec.checkpoint_models,
+                                                     f"model_routing.routes[{spec.name}]"))
+
+    def names(self) -> list[str]:
+        """The named routes, as listed in /v1/models."""
+        return list(self.named)
+
+    def valid_routes(self) -> str:
+        """A one-line description of every valid routed name, for error messages."""
+        named = ", ".join(self.named) or "none"
+        if not self.config.tiers:
+            return f"named routes: {named}"
+        kinds = "|".join(kind for kind in ROUTER_KINDS if kind in self.routers)
+        return f"named routes: {named}; or router-<{kinds}>-<threshold in [0, 1]>"
+
+    def is_routed(self, name: str) -> bool:
+        """Whether a model name is meant for this table (a named route or any ``router-`` name)."""
+        return name in self.named or name.startswith("router-")
+
+    def resolve(self, name: str) -> Route:
+        """The route for a routed name.
+
+        Raises:
+            RouteError: unknown router, malformed or out-of-range threshold, or no tiers configured.
+        """
+        if name in self.named:
+            return self.named[name]
+        match = _ROUTELLM_NAME.match(name)
+        if match is None:
+            raise RouteError(f"`{name}` is not a route; expected router-<router>-<threshold>. "
+                             f"Valid routes: {self.valid_routes()}")
+        kind, text = match.groups()
+        if kind not in self.routers:
+            raise RouteError(f"unknown router `{kind}` in `{name}`. Valid routes: {self.valid_routes()}")
+        try:
+            threshold = float(text)
+        except ValueError:
+            threshold = math.nan
+        if not 0.0 <= threshold <= 1.0:  # also rejects nan and inf
+            raise RouteError(f"malformed threshold `{text}` in `{name}`: expected a number in [0, 1]. "
+                             f"Valid routes: {self.valid_routes()}")
+        if not self.config.tiers:
+            raise RouteError(f"`{name}` needs model_routing.tiers in the platform config. "
+                             f"Valid routes: {self.valid_routes()}")
+        router = self.routers[kind]
+        return Route(name, router, threshold, tuple(self.config.tiers),
+                     _map_tiers(router, self.config.tiers, None, "model_routing.tiers"))
+
+    @staticmethod
+    def choose(route: Route, text: str) -> RouteChoice:
+        """Picks the cheapest tier the strongest is not predicted to beat (may embed: run off the event loop)."""
+        top = len(route.tiers) - 1
+        strongest = route.checkpoint_models[top]
+        for index in range(top):
+            if route.threshold <= 0.0:
+                break
+            rate = route.router.win_rate(text, strongest, route.checkpoint_models[index])
+            if rate < route.threshold:
+                return RouteChoice(route.name, route.tiers[index], index, rate, route.tiers[top])
+        rate = None if route.threshold <= 0.0 else rate
+        return RouteChoice(route.name, route.tiers[top], top, rate, route.tiers[top])
+
+
+def routing_text(messages: list[dict[str, str]] | None, prompt: str | None, route_on: str) -> str:
+    """The text a router reads from a chat or a completion prompt.
+
+    Args:
+        route_on: "last_user" (RouteLLM's choice), "all_user", or "all".
+    """
+    if messages is None:
+        return prompt or ""
+    if route_on == "all":
+        return "\n".join(message["content"] for message in messages)
+    user = [message["content"] for message in messages if message["role"] == "user"]
+    if route_on == "all_user":
+        return "\n".join(user)
+    return user[-1] if user else (messages[-1]["content"] if messages else "")

@@ -1,0 +1,16 @@
+"""Small data factories shared by tests and fixtures (tests/ is on pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fleetserve.router.routing_data import CorrectnessTable
+
+
+def synthetic_correctness(num_prompts: int = 40, hard_every: int = 4) -> CorrectnessTable:
+    """Prompt i is hard when i % hard_every == 0: only the strong model answers it; both answer the rest."""
+    hard = [i % hard_every == 0 for i in range(num_prompts)]
+    prompts = [f"{'prove this difficult theorem rigorously' if h else 'say hello politely'} case {i}"
+               for i, h in enumerate(hard)]
+    correct = np.array([[not h, True] for h in hard])
+    return CorrectnessTable(prompts, ["weak-model", "strong-model"], correct)
