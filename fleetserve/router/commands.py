@@ -25,7 +25,7 @@ from fleetserve.router.routing_data import CorrectnessTable, DataError, Split, d
 
 router_app = typer.Typer(help="Cost/quality model routers (RouteLLM-compatible): train, calibrate, eval.",
                          no_args_is_help=True)
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 def _fail(message: str) -> typer.Exit:

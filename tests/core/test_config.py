@@ -69,3 +69,14 @@ def test_missing_file_and_bad_yaml_are_clear(tmp_path):
 def test_extra_may_not_repeat_typed_keys():
     with pytest.raises(ConfigError, match=r"models.0.engine_args.extra: Value error, repeats typed keys \['max_model_len'\]"):
         parse_config({"models": [{"name": "m", "source": "x", "engine_args": {"extra": {"max_model_len": 5}}}]})
+
+
+def test_routed_example_resolves_checkpoints_next_to_the_file():
+    from fleetserve.router.model_routes import RouteTable
+
+    config = load_config(EXAMPLES / "routed.yaml")
+    assert config.model_routing.checkpoints["mf"] == str((EXAMPLES / "routers" / "mmlu-mf-minilm").resolve())
+    table = RouteTable(config.model_routing)  # loads the shipped checkpoints and their calibrations
+    assert table.names() == ["auto", "auto-mf"]
+    assert table.resolve("auto").tiers == ("tiny", "smollm2")
+    assert table.resolve("auto").checkpoint_models == ("mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview")
