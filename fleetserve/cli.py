@@ -123,6 +123,52 @@ def status(
                 raise typer.Exit(1) from None
 
 
+@app.command()
+def plan(
+    config_path: Annotated[Path, typer.Argument(metavar="CONFIG", help="Platform config YAML.")],
+    gpu: Annotated[str, typer.Option(help="a100-80gb, h100-80gb or h200-141gb.")] = "h100-80gb",
+    mig: Annotated[bool, typer.Option(help="Place models on MIG slices (else whole GPUs).")] = False,
+    context: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default: each model's max_model_len).")] = None,
+    concurrency: Annotated[Optional[int], typer.Option(help="Sequences per replica (default: each model's max_num_seqs, else 8).")] = None,
+    price: Annotated[float, typer.Option(help="Dollars per whole-GPU hour.")] = 4.0,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the plan as JSON here ('-': stdout).")] = None,
+    emit_values: Annotated[Optional[Path], typer.Option(help="Write Helm values for helm/fleetserve here.")] = None,
+) -> None:
+    """Which GPU or MIG slice each model needs, what it can serve there, and how it packs onto GPUs."""
+    import json
+
+    import yaml
+
+    from fleetserve.platform.gpus import gpu as gpu_spec
+    from fleetserve.platform.plan_report import packing_table, plan_json, plan_table
+    from fleetserve.platform.planner import PlanError, PlanInputs, chart_values, pack, plan_config
+
+    config = _load(config_path)
+    try:
+        spec = gpu_spec(gpu)
+    except KeyError as error:
+        console.print(f"[red]error:[/] {error.args[0]}")
+        raise typer.Exit(2) from None
+    inputs = PlanInputs(price_per_gpu_hour=price)
+    try:
+        plans = plan_config(config, spec, mig, inputs, context_len=context, concurrency=concurrency)
+        assignments = pack(plans, spec)
+    except PlanError as error:
+        console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
+    out = Console(width=160)
+    out.print(plan_table(plans, spec.name, inputs))
+    out.print(packing_table(assignments))
+    if json_out is not None:
+        text = json.dumps(plan_json(plans, assignments, spec.name, mig, inputs), indent=2)
+        typer.echo(text) if str(json_out) == "-" else json_out.write_text(text + "\n")
+    if emit_values is not None:
+        values = chart_values(config, plans, spec, mig)
+        emit_values.write_text("# Written by `fleetserve plan`; pass to helm/fleetserve with -f.\n"
+                               + yaml.safe_dump(values, sort_keys=False))
+        console.print(f"chart values: {emit_values}")
+
+
 app.add_typer(router_app, name="router")
 
 bench_app = typer.Typer(help="Load-test any OpenAI-compatible endpoint (fleetserve, vLLM, ...).",

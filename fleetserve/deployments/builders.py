@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from ray.serve import Application
 
 from fleetserve.deployments.engine_server import EngineDeployment
 from fleetserve.deployments.ingress import IngressDeployment
 from fleetserve.deployments.metrics_hub import MetricsHubDeployment
-from fleetserve.platform.config import PlatformConfig
+from fleetserve.platform.config import ConfigError, PlatformConfig, parse_config
 from fleetserve.platform.engine import plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source
 
@@ -50,3 +51,14 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True) -> Applicati
             model.model_dump(), bindings[model.name], model_path, hub)
     routing = config.model_routing.model_dump() if config.model_routing is not None else None
     return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models}, routing)
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Serve application builder for config files (RayService serveConfigV2, ``serve run``).
+
+    Args:
+        args: ``{"platform": <platform config>}``, as the Helm chart writes it.
+    """
+    if "platform" not in args:
+        raise ConfigError("application args need a 'platform' key holding the fleetserve platform config")
+    return build_app(parse_config(args["platform"], origin="serve application args"))

@@ -73,6 +73,33 @@ class Resources(_Strict):
     cpu_binding: list[str] | None = None
     # Ray accelerator_type, e.g. "H100"; None: any.
     accelerator_type: str | None = None
+    # Ray custom resources per replica, e.g. {"mig-3g.40gb": 1} to land on a worker group's MIG slice.
+    custom_resources: dict[str, float] = Field(default_factory=dict)
+
+
+class AutoscalingConfig(_Strict):
+    """Ray Serve replica autoscaling for a model's engine deployment (replaces a fixed replica count)."""
+
+    min_replicas: int = Field(default=1, ge=0)
+    max_replicas: int = Field(default=4, ge=1)
+    # Requests per replica Serve aims for.
+    target_ongoing_requests: float = Field(default=16, gt=0)
+    # How long demand must stay high (low) before adding (removing) replicas.
+    upscale_delay_s: float = Field(default=30, ge=0)
+    downscale_delay_s: float = Field(default=600, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AutoscalingConfig:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        return self
+
+    def serve_config(self, initial_replicas: int) -> dict[str, Any]:
+        """Serve's autoscaling_config."""
+        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+                "initial_replicas": min(max(initial_replicas, self.min_replicas), self.max_replicas),
+                "target_ongoing_requests": self.target_ongoing_requests,
+                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
 
 
 class RoutingConfig(_Strict):
@@ -108,7 +135,10 @@ class ModelConfig(_Strict):
     name: str
     # A local HF folder, a .gguf file, or a packaged model id (see ``fleetserve.platform.model_store``).
     source: str
+    # Replicas to run (the initial count when autoscaling is set).
     replicas: int = Field(default=1, ge=1)
+    # Replica autoscaling; None keeps ``replicas`` fixed.
+    autoscaling: AutoscalingConfig | None = None
     engine_args: EngineArgs = Field(default_factory=EngineArgs)
     resources: Resources = Field(default_factory=Resources)
     # Requests one replica holds at once before Serve queues them in front of it.
@@ -142,9 +172,10 @@ class ModelConfig(_Strict):
         }
         if self.resources.accelerator_type:
             actor_options["accelerator_type"] = self.resources.accelerator_type
+        if self.resources.custom_resources:
+            actor_options["resources"] = dict(self.resources.custom_resources)
         options: dict[str, Any] = {
             "name": self.deployment_name,
-            "num_replicas": self.replicas,
             "max_ongoing_requests": self.max_ongoing_requests,
             "ray_actor_options": actor_options,
             # Engines take tens of seconds to load; Serve's default health period is too eager.
@@ -152,6 +183,10 @@ class ModelConfig(_Strict):
             "health_check_timeout_s": 60,
             "graceful_shutdown_timeout_s": 20,
         }
+        if self.autoscaling is not None:
+            options["autoscaling_config"] = self.autoscaling.serve_config(self.replicas)
+        else:
+            options["num_replicas"] = self.replicas
         router = self.routing.request_router_config()
         if router is not None:
             options["request_router_config"] = router

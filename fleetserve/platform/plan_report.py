@@ -1,0 +1,44 @@
+"""How ``fleetserve plan`` shows a plan: tables for people, JSON for scripts."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from rich.table import Table
+
+from fleetserve.platform.planner import GiB, GpuAssignment, ModelPlan, PlanInputs
+
+
+def plan_table(plans: list[ModelPlan], gpu_name: str, inputs: PlanInputs) -> Table:
+    table = Table(title=f"capacity plan on {gpu_name} (${inputs.price_per_gpu_hour:.2f}/GPU-hour, "
+                        f"{inputs.memory_utilization:.0%} of slice memory, {inputs.activation_reserve_bytes / GiB:.1f} "
+                        f"GiB activation reserve)")
+    columns = ["model", "replicas", "params", "weights", "KV/token", "need", "slice", "max seqs",
+               "decode tok/s (1 / target)", "cold start", "$/1M out"]
+    for column in columns:
+        table.add_column(column, justify="left" if column in ("model", "slice") else "right")
+    for plan in plans:
+        table.add_row(plan.model, str(plan.replicas), f"{plan.num_params / 1e9:.2f} B", f"{plan.weight_bytes / GiB:.1f} GiB",
+                      f"{plan.kv_bytes_per_token / 1024:.0f} KiB", f"{plan.need_bytes / GiB:.1f} GiB", plan.slice,
+                      str(plan.max_concurrent_seqs),
+                      f"{plan.single_stream_tokens_per_s:,.0f} / {plan.decode_tokens_per_s:,.0f}",
+                      f"{plan.cold_start_s:.0f} s", f"${plan.cost_per_million_output_tokens:.3f}")
+    return table
+
+
+def packing_table(assignments: list[GpuAssignment]) -> Table:
+    table = Table(title=f"{len(assignments)} GPU(s), valid MIG layouts only")
+    for column in ("GPU", "layout", "slots (profile: model)"):
+        table.add_column(column)
+    for index, gpu in enumerate(assignments):
+        slots = ", ".join(f"{profile}: {model or '—'}" for profile, model in gpu.slots)
+        table.add_row(str(index), gpu.layout, slots)
+    return table
+
+
+def plan_json(plans: list[ModelPlan], assignments: list[GpuAssignment], gpu_name: str, mig: bool,
+              inputs: PlanInputs) -> dict[str, Any]:
+    return {"gpu": gpu_name, "mig": mig, "inputs": asdict(inputs), "models": [asdict(plan) for plan in plans],
+            "gpus": [{"layout": gpu.layout, "slots": [{"profile": p, "model": m} for p, m in gpu.slots]}
+                     for gpu in assignments]}

@@ -1,0 +1,353 @@
+"""Capacity planner: which GPU slice each model needs, and how the slices pack onto MIG layouts.
+
+The memory math, per model:
+
+* weight bytes: parameters (from the safetensors headers when present, else from the config's shape)
+  times the bytes per parameter of the served dtype or quantization;
+* KV bytes per token: ``2 (K and V) x layers x kv_heads x head_dim x KV dtype bytes``;
+* need: weights + target concurrency x context length x KV bytes per token, which must fit in the
+  slice's usable memory (``memory x memory_utilization - activation_reserve``, as vLLM reserves it);
+* decode ceiling: every decode step reads the weights once and each sequence's KV, so at batch B and
+  context C, tokens/s <= B x bandwidth / (weights + B x C x KV bytes per token);
+* cold start: weight bytes / load bandwidth + engine start-up;
+* cost per 1M output tokens: $/GPU-hour x the slice's share of the GPU / (decode ceiling x 3600) x 1e6.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from fleetserve.platform.config import PlatformConfig
+from fleetserve.platform.gpus import GpuSpec, MigProfile
+
+GiB = 1024**3
+_DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1, "int8": 1}
+# Bytes per parameter for quantization methods vLLM serves (4-bit weights; scales add ~3%).
+_QUANT_BYTES = {"awq": 0.53, "gptq": 0.53, "bitsandbytes": 0.53, "gguf": 0.6, "fp8": 1.0, "int8": 1.0}
+_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1,
+                      "I32": 4, "I64": 8}
+
+
+class PlanError(ValueError):
+    """A model that cannot be placed; the message says by how much it misses."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know of one model."""
+
+    name: str
+    num_params: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    # Bytes per parameter as served (dtype or quantization).
+    bytes_per_param: float
+    # Bytes per KV element (the KV cache dtype).
+    kv_dtype_bytes: int
+
+    @property
+    def weight_bytes(self) -> int:
+        return int(round(self.num_params * self.bytes_per_param))
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+
+def params_from_config(config: dict[str, Any]) -> int:
+    """Parameter count of a Llama-family decoder (Llama, Mistral, Qwen2, Gemma) from its config.json.
+
+    Embedding, then per layer q/k/v/o projections (with q/k/v biases when ``attention_bias`` or
+    Qwen2), the gated MLP's three matrices and two norms, then the final norm and an untied LM head.
+    """
+    hidden = config["hidden_size"]
+    num_heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // num_heads
+    kv_width = config.get("num_key_value_heads", num_heads) * head_dim
+    q_width = num_heads * head_dim
+    attention = hidden * q_width + 2 * hidden * kv_width + q_width * hidden
+    if config.get("attention_bias") or config.get("model_type") == "qwen2":
+        attention += q_width + 2 * kv_width
+    mlp = 3 * hidden * config["intermediate_size"]
+    per_layer = attention + mlp + 2 * hidden
+    embedding = config["vocab_size"] * hidden
+    head = 0 if config.get("tie_word_embeddings", False) else embedding
+    return embedding + config["num_hidden_layers"] * per_layer + hidden + head
+
+
+def _safetensors_params(folder: Path) -> int | None:
+    """Parameters counted from the safetensors headers (8-byte length, then JSON); None without them."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for file in files:
+        with file.open("rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(length))
+        for name, entry in header.items():
+            if name != "__metadata__":
+                total += math.prod(entry["shape"])
+    return total
+
+
+def _dtype_bytes(config: dict[str, Any], dtype: str) -> int:
+    if dtype == "auto":
+        dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16").removeprefix("torch.")
+    if dtype not in _DTYPE_BYTES:
+        raise PlanError(f"unknown dtype {dtype!r}; the planner knows {sorted(_DTYPE_BYTES)}")
+    return _DTYPE_BYTES[dtype]
+
+
+def _bytes_per_param(config: dict[str, Any], dtype: str, quantization: str | None) -> float:
+    quant = quantization or (config.get("quantization_config") or {}).get("quant_method")
+    if not quant:
+        return _dtype_bytes(config, dtype)
+    if quant not in _QUANT_BYTES:
+        raise PlanError(f"unknown quantization {quant!r}; the planner knows {sorted(_QUANT_BYTES)}")
+    return _QUANT_BYTES[quant]
+
+
+def model_shape(name: str, folder: Path, dtype: str = "auto", quantization: str | None = None,
+                kv_cache_dtype: str = "auto") -> ModelShape:
+    """Reads a HF model folder's config.json (and safetensors headers when present).
+
+    Args:
+        dtype: the served dtype ("auto": the config's torch_dtype).
+        quantization: overrides the config's quantization_config.quant_method.
+        kv_cache_dtype: "auto" stores KV in the activation dtype (bf16/fp16 for quantized weights).
+
+    Raises:
+        PlanError: no config.json, or an architecture the planner cannot count.
+    """
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise PlanError(f"{name}: cannot read {folder / 'config.json'}: {error}") from None
+    config = config.get("text_config", config)  # multimodal wrappers (Gemma 3) keep the decoder here
+    try:
+        num_heads = config["num_attention_heads"]
+        return ModelShape(
+            name=name, num_params=_safetensors_params(folder) or params_from_config(config),
+            num_layers=config["num_hidden_layers"], num_kv_heads=config.get("num_key_value_heads", num_heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
+            bytes_per_param=_bytes_per_param(config, dtype, quantization),
+            kv_dtype_bytes=_dtype_bytes(config, dtype if kv_cache_dtype == "auto" else kv_cache_dtype))
+    except KeyError as error:
+        raise PlanError(f"{name}: config.json lacks {error}; the planner handles Llama-family decoders") from None
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """The serving targets and assumptions a plan is made for."""
+
+    # Tokens per sequence (prompt + output) to hold in KV.
+    context_len: int = 4096
+    # Sequences each replica must hold at that context.
+    concurrency: int = 8
+    # Dollars per whole-GPU hour.
+    price_per_gpu_hour: float = 4.0
+    # Share of slice memory vLLM may use (gpu_memory_utilization).
+    memory_utilization: float = 0.9
+    # Activations, CUDA graphs and the allocator's slack, per replica.
+    activation_reserve_bytes: int = 1 * GiB
+    # Weight loading speed at start-up (local NVMe or a warm page cache).
+    load_bandwidth_bytes_per_s: float = 2e9
+    # Engine start beyond loading weights (CUDA init, profiling, graph capture).
+    startup_overhead_s: float = 30.0
+
+
+@dataclass(frozen=True)
+class Slice:
+    """Where a replica can run: a MIG profile, or the whole GPU (profile None)."""
+
+    name: str
+    memory_bytes: int
+    bandwidth_bytes_per_s: float
+    # Share of the GPU the slice blocks, for cost: max of its compute and memory shares.
+    gpu_share: float
+    profile: MigProfile | None = None
+
+    def usable_bytes(self, inputs: PlanInputs) -> float:
+        return self.memory_bytes * inputs.memory_utilization - inputs.activation_reserve_bytes
+
+
+def slices(gpu: GpuSpec, mig: bool) -> list[Slice]:
+    """Candidate slices from smallest to largest (a whole GPU when MIG is off)."""
+    if not mig:
+        return [Slice("gpu", gpu.memory_bytes, gpu.memory_bandwidth_bytes_per_s, 1.0)]
+    ordered = sorted(gpu.profiles, key=lambda p: (p.memory_bytes, p.num_compute_slices))
+    return [Slice(p.name, p.memory_bytes, gpu.memory_bandwidth_bytes_per_s * p.memory_share,
+                  max(p.compute_share, p.memory_share), p) for p in ordered]
+
+
+@dataclass(frozen=True)
+class ModelPlan:
+    """One model's placement and what it can do there."""
+
+    model: str
+    replicas: int
+    num_params: int
+    weight_bytes: int
+    kv_bytes_per_token: int
+    # Weights + KV for the target concurrency at the context length.
+    need_bytes: int
+    # The smallest slice that fits ("gpu" for a whole GPU).
+    slice: str
+    slice_usable_bytes: int
+    # Sequences at the context length the slice's KV room holds.
+    max_concurrent_seqs: int
+    # Decode tokens/s ceilings from memory bandwidth: one stream, and the target concurrency.
+    single_stream_tokens_per_s: float
+    decode_tokens_per_s: float
+    cold_start_s: float
+    cost_per_million_output_tokens: float
+
+
+def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, replicas: int = 1) -> ModelPlan:
+    """Places one model on the smallest slice that holds its weights and target KV.
+
+    Raises:
+        PlanError: when no slice fits, saying by how much the largest one misses.
+    """
+    kv_needed = inputs.concurrency * inputs.context_len * shape.kv_bytes_per_token
+    need = shape.weight_bytes + kv_needed
+    candidates = slices(gpu, mig)
+    chosen = next((s for s in candidates if s.usable_bytes(inputs) >= need), None)
+    if chosen is None:
+        largest = candidates[-1]
+        usable = largest.usable_bytes(inputs)
+        where = f"the largest {gpu.name} MIG slice ({largest.name})" if mig else f"a whole {gpu.name}"
+        hint = (" MIG slices cannot be combined (no tensor parallelism across MIG instances); plan it without --mig"
+                if mig else " It needs tensor parallelism across GPUs, which the planner does not lay out.")
+        raise PlanError(
+            f"{shape.name} needs {need / GiB:.1f} GiB ({shape.weight_bytes / GiB:.1f} GiB weights + "
+            f"{kv_needed / GiB:.1f} GiB KV for {inputs.concurrency} x {inputs.context_len} tokens); {where} "
+            f"offers {usable / GiB:.1f} GiB usable: short by {(need - usable) / GiB:.1f} GiB.{hint}")
+    usable = chosen.usable_bytes(inputs)
+    max_seqs = int((usable - shape.weight_bytes) // (inputs.context_len * shape.kv_bytes_per_token))
+    batch = inputs.concurrency
+    step_bytes = shape.weight_bytes + batch * inputs.context_len * shape.kv_bytes_per_token
+    decode = batch * chosen.bandwidth_bytes_per_s / step_bytes
+    single = chosen.bandwidth_bytes_per_s / shape.weight_bytes
+    cost = inputs.price_per_gpu_hour * chosen.gpu_share / (decode * 3600) * 1e6
+    cold = shape.weight_bytes / inputs.load_bandwidth_bytes_per_s + inputs.startup_overhead_s
+    return ModelPlan(shape.name, replicas, shape.num_params, shape.weight_bytes, shape.kv_bytes_per_token, need,
+                     chosen.name, int(usable), max_seqs, single, decode, cold, cost)
+
+
+@dataclass
+class GpuAssignment:
+    """One physical GPU: its MIG layout and which model replica runs in each slot (None: free)."""
+
+    layout: str
+    slots: list[tuple[str, str | None]] = field(default_factory=list)
+
+
+def _assign(items: list[tuple[str, str, int]], layout: tuple[str, ...]) -> tuple[list[tuple[str, str | None]], list[int]]:
+    # Each replica into a free slot of exactly its planned profile, so every replica of a model asks
+    # Ray and Kubernetes for the same MIG resource.
+    slots: list[tuple[str, str | None]] = [(name, None) for name in layout]
+    placed = []
+    for index, (model, profile, _) in enumerate(items):
+        for slot, (name, occupant) in enumerate(slots):
+            if occupant is None and name == profile:
+                slots[slot] = (name, model)
+                placed.append(index)
+                break
+    return slots, placed
+
+
+def pack(plans: list[ModelPlan], gpu: GpuSpec) -> list[GpuAssignment]:
+    """Packs every replica onto GPUs using only the GPU operator's valid layouts.
+
+    Greedy: open one GPU at a time with the layout that places the most bytes of the remaining
+    replicas (ties: the one that leaves the least slot memory idle, then the first listed, which
+    is all-balanced). Whole-GPU plans take one GPU each, with MIG disabled.
+    """
+    items = sorted(((plan.model, plan.slice, plan.need_bytes) for plan in plans for _ in range(plan.replicas)),
+                   key=lambda item: -item[2])
+    gpus = [GpuAssignment("all-disabled", [("gpu", model)]) for model, profile, _ in items if profile == "gpu"]
+    items = [item for item in items if item[1] != "gpu"]
+    while items:
+        best = None
+        for name, layout in gpu.layouts.items():
+            slots, placed = _assign(items, layout)
+            placed_bytes = sum(items[i][2] for i in placed)
+            idle = sum(gpu.profile(profile).memory_bytes for profile, model in slots if model is None)
+            key = (placed_bytes, -idle)
+            if placed and (best is None or key > best[0]):
+                best = (key, name, slots, placed)
+        if best is None:
+            raise PlanError(f"{items[0][0]}'s profile {items[0][1]} is in no valid {gpu.name} MIG layout")
+        _, name, slots, placed = best
+        gpus.append(GpuAssignment(name, slots))
+        items = [item for i, item in enumerate(items) if i not in set(placed)]
+    return gpus
+
+
+def plan_config(config: PlatformConfig, gpu: GpuSpec, mig: bool, inputs: PlanInputs,
+                context_len: int | None = None, concurrency: int | None = None) -> list[ModelPlan]:
+    """Plans every model of a platform config (sources resolved as ``fleetserve serve`` would).
+
+    Each model's context defaults to its ``max_model_len`` and its concurrency to its ``max_num_seqs``,
+    unless given here; failing both, ``inputs``' values.
+
+    Raises:
+        PlanError: for the first model that cannot be read or placed.
+    """
+    from fleetserve.platform.model_store import ModelSourceError, resolve_source
+
+    plans = []
+    for model in config.models:
+        try:
+            folder = resolve_source(model.source)
+        except ModelSourceError as error:
+            raise PlanError(f"{model.name}: {error}") from None
+        args = model.engine_args
+        shape = model_shape(model.name, folder, args.dtype, args.quantization,
+                            str(args.extra.get("kv_cache_dtype", "auto")))
+        targets = replace(inputs, context_len=context_len or args.max_model_len or inputs.context_len,
+                          concurrency=concurrency or args.max_num_seqs or inputs.concurrency)
+        replicas = model.autoscaling.max_replicas if model.autoscaling is not None else model.replicas
+        plans.append(plan_model(shape, gpu, mig, targets, replicas))
+    return plans
+
+
+def group_name(pool: str, slice_name: str) -> str:
+    """A worker group's name: the pool and the slice, DNS-1123 safe (``colocated-3g-40gb``)."""
+    return f"{pool}-{slice_name.replace('.', '-')}"
+
+
+def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec, mig: bool) -> dict[str, Any]:
+    """Values for helm/fleetserve: the platform config with each model pinned to its slice, and one
+    worker group per slice with as many pods as replicas planned on it."""
+    by_model = {plan.model: plan for plan in plans}
+    platform = config.model_dump(mode="json", exclude_defaults=True)
+    groups: dict[str, dict[str, Any]] = {}
+    for entry in platform["models"]:
+        plan = by_model[entry["name"]]
+        # On a GPU this sizes the KV pool: what the slice leaves after the weights (vLLM's
+        # gpu_memory_utilization would instead size it from the whole device it sees).
+        entry.setdefault("engine_args", {})["kv_cache_memory_bytes"] = plan.slice_usable_bytes - plan.weight_bytes
+        resources = entry.setdefault("resources", {})
+        resources.update({"num_gpus": 1})
+        resources.pop("cpu_binding", None)
+        if mig:
+            resources["custom_resources"] = {f"mig-{plan.slice}": 1}
+        name = group_name("colocated", plan.slice if mig else "gpu")
+        group = groups.setdefault(name, {"migProfile": plan.slice if mig else "", "replicas": 0, "minReplicas": 0,
+                                         "maxReplicas": 0, "cpu": "8", "memory": "32Gi"})
+        group["replicas"] += config.model(plan.model).replicas
+        group["maxReplicas"] += plan.replicas
+        # Host memory to stage the weights while loading: 1.5x the weights, at least 32 GiB.
+        memory_gib = max(32, math.ceil(plan.weight_bytes * 1.5 / GiB))
+        group["memory"] = f"{max(memory_gib, int(group['memory'].removesuffix('Gi')))}Gi"
+    return {"platform": platform, "gpu": {"migStrategy": "mixed" if mig else "none", "product": gpu.product},
+            "workerGroups": groups}

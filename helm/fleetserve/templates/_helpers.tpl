@@ -1,0 +1,79 @@
+{{/* Resource name: fullnameOverride or the release name, cut to 52 characters for KubeRay's suffixes. */}}
+{{- define "fleetserve.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride | trunc 52 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "fleetserve.selectorLabels" -}}
+app.kubernetes.io/name: fleetserve
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "fleetserve.labels" -}}
+{{ include "fleetserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "fleetserve.apiKeysSecret" -}}
+{{- default (printf "%s-api-keys" (include "fleetserve.fullname" .)) .Values.apiKeys.existingSecret -}}
+{{- end -}}
+
+{{/* Ray Serve's config: one application built from the platform config by fleetserve's builder. */}}
+{{- define "fleetserve.serveConfig" -}}
+applications:
+  - name: fleetserve
+    import_path: fleetserve.deployments.builders:app_builder
+    route_prefix: /
+    args:
+      platform:
+        {{- toYaml .Values.platform | nindent 8 }}
+{{- end -}}
+
+{{/* The GPU a worker group's pod asks Kubernetes for. Args: (dict "group" $group "root" $). */}}
+{{- define "fleetserve.gpuLimits" -}}
+{{- $strategy := .root.Values.gpu.migStrategy -}}
+{{- if and .group.migProfile (eq $strategy "mixed") -}}
+nvidia.com/mig-{{ .group.migProfile }}: 1
+{{- else -}}
+nvidia.com/gpu: 1
+{{- end -}}
+{{- end -}}
+
+{{/* Node selector for a worker group: the GPU product (with the MIG profile under the single strategy). */}}
+{{- define "fleetserve.gpuNodeSelector" -}}
+{{- $strategy := .root.Values.gpu.migStrategy -}}
+{{- if and .group.migProfile (eq $strategy "single") -}}
+nvidia.com/gpu.product: {{ printf "%s-MIG-%s" .root.Values.gpu.product .group.migProfile }}
+{{- else -}}
+nvidia.com/gpu.product: {{ .root.Values.gpu.product }}
+{{- end -}}
+{{- with .group.nodeSelector }}
+{{ toYaml . }}
+{{- end -}}
+{{- end -}}
+
+{{/* rayStartParams for a worker group: one GPU, plus a custom resource naming its MIG profile so
+     engine replicas that ask for it (resources.custom_resources in the platform config) land here. */}}
+{{- define "fleetserve.workerRayStartParams" -}}
+num-gpus: "1"
+{{- if .group.migProfile }}
+resources: {{ printf "{\"mig-%s\": 1}" .group.migProfile | quote }}
+{{- end -}}
+{{- end -}}
+
+{{- define "fleetserve.container" -}}
+image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+volumeMounts:
+  - name: api-keys
+    mountPath: /etc/fleetserve
+    readOnly: true
+{{- end -}}
+
+{{- define "fleetserve.volumes" -}}
+- name: api-keys
+  secret:
+    secretName: {{ include "fleetserve.apiKeysSecret" . }}
+    optional: true
+{{- end -}}

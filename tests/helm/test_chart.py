@@ -1,0 +1,192 @@
+"""helm/fleetserve: renders, lints, validates against Kubernetes and CRD schemas, and says what values ask for."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+helm = pytest.importorskip("helm_python", reason="helm-python-sdk not installed")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "fleetserve"
+CRDS = ROOT.parent / "shared" / "data" / "crds"
+KUBERNETES_VERSION = "1.30.0"
+MIG_GROUP = {"migProfile": "3g.40gb", "replicas": 1, "minReplicas": 0, "maxReplicas": 2, "cpu": "8", "memory": "64Gi"}
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Every object the chart renders for these values (empty templates dropped)."""
+    with helm.Chart.load(str(CHART)) as chart:
+        manifests = chart.render(values or {}, name="demo", namespace="llm")
+    return [doc for name, text in sorted(manifests.items()) if name.endswith(".yaml")
+            for doc in yaml.safe_load_all(text) if doc]
+
+
+def find(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    matches = [obj for obj in objects if obj["kind"] == kind]
+    assert len(matches) == 1, f"expected one {kind}, got {len(matches)}"
+    return matches[0]
+
+
+ALL_ON = {"workerGroups": {"colocated-3g-40gb": MIG_GROUP}, "apiKeys": {"keys": ["sk-test-0123456789abcdef"]},
+          "monitoring": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}}}
+
+
+def test_chart_lints_clean():
+    result = helm.lint(str(CHART))
+    assert result["errors"] == []
+    assert all(message["severity"] <= 1 for message in result["messages"]), result["messages"]  # info only
+
+
+def test_every_values_key_has_a_doc_comment():
+    # Leaf keys (with a value on their line) need a `# --` comment in the comment block just above;
+    # the example platform config is documented by its own schema instead.
+    lines = (CHART / "values.yaml").read_text().splitlines()
+    section = None
+    for index, line in enumerate(lines):
+        if line and not line.startswith((" ", "#")):
+            section = line.split(":")[0]
+        key, _, value = line.strip().partition(":")
+        if line.strip().startswith("#") or not _ or not value.strip() or section == "platform":
+            continue
+        above = index - 1
+        while above >= 0 and lines[above].strip().startswith("#") and not lines[above].strip().startswith("# --"):
+            above -= 1
+        assert above >= 0 and lines[above].strip().startswith("# --"), f"values.yaml:{index + 1} `{key}` lacks `# --`"
+
+
+@pytest.mark.parametrize("values", [{}, ALL_ON], ids=["defaults", "everything-on"])
+def test_built_in_kinds_pass_kubernetes_validate_strict(values):
+    objects = render(values)
+    built_in = [obj for obj in objects if obj["apiVersion"] in ("v1", "policy/v1")]
+    assert {obj["kind"] for obj in built_in} >= {"Service", "PodDisruptionBudget"}
+    for obj in built_in:
+        kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
+
+
+def _strict(schema: Any) -> Any:
+    # kubectl's strict field validation: an object schema with properties and no preserve-unknown-fields
+    # rejects unknown keys.
+    if isinstance(schema, dict):
+        schema = {key: _strict(value) for key, value in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [_strict(item) for item in schema]
+    return schema
+
+
+def crd_schema(file: str, version: str) -> dict[str, Any]:
+    path = CRDS / file
+    if not path.exists():
+        pytest.skip(f"CRD schemas not found at {CRDS}")
+    crd = yaml.load(path.read_text(), Loader=yaml.CSafeLoader)
+    served = next(v for v in crd["spec"]["versions"] if v["name"] == version)
+    schema = _strict(served["schema"]["openAPIV3Schema"])
+    schema["properties"]["metadata"] = {"type": "object"}
+    return schema
+
+
+@pytest.mark.parametrize("kind, file", [("RayService", "ray.io_rayservices.yaml"),
+                                        ("ServiceMonitor", "monitoring.coreos.com_servicemonitors.yaml")])
+def test_custom_resources_match_their_crds(kind, file):
+    import jsonschema
+
+    obj = find(render(ALL_ON), kind)
+    jsonschema.validate(obj, crd_schema(file, obj["apiVersion"].split("/")[1]))
+
+
+def test_crd_check_catches_a_misspelled_field():
+    import jsonschema
+
+    obj = find(render(ALL_ON), "RayService")
+    obj["spec"]["rayClusterConfig"]["enableInTreeAutoscalling"] = True
+    with pytest.raises(jsonschema.ValidationError, match="enableInTreeAutoscalling"):
+        jsonschema.validate(obj, crd_schema("ray.io_rayservices.yaml", "v1"))
+
+
+def test_mixed_strategy_requests_the_mig_resource_and_advertises_it_to_ray():
+    service = find(render({"workerGroups": {"colocated-3g-40gb": MIG_GROUP}}), "RayService")
+    [group] = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["groupName"] == "colocated-3g-40gb"
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (1, 0, 2)
+    container = group["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/mig-3g.40gb"] == 1
+    assert "nvidia.com/gpu" not in container["resources"]["limits"]
+    assert group["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    assert json.loads(group["rayStartParams"]["resources"]) == {"mig-3g.40gb": 1}
+    assert group["rayStartParams"]["num-gpus"] == "1"
+
+
+def test_single_strategy_requests_a_gpu_on_nodes_labelled_with_the_profile():
+    service = find(render({"gpu": {"migStrategy": "single", "product": "NVIDIA-H200"},
+                           "workerGroups": {"decode-1g-18gb": {**MIG_GROUP, "migProfile": "1g.18gb"}}}), "RayService")
+    [group] = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert group["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H200-MIG-1g.18gb"
+
+
+def test_worker_groups_are_a_named_map_one_spec_each():
+    groups = {"prefill-3g-40gb": MIG_GROUP, "decode-1g-10gb": {**MIG_GROUP, "migProfile": "1g.10gb", "maxReplicas": 6}}
+    specs = find(render({"workerGroups": groups}), "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert sorted(spec["groupName"] for spec in specs) == sorted(groups)
+    assert {s["groupName"]: s["maxReplicas"] for s in specs}["decode-1g-10gb"] == 6
+
+
+def test_autoscaler_settings_reach_the_ray_cluster():
+    cluster = find(render({"autoscaling": {"enableInTreeAutoscaling": False,
+                                           "autoscalerOptions": {"upscalingMode": "Conservative",
+                                                                 "idleTimeoutSeconds": 300}}}),
+                   "RayService")["spec"]["rayClusterConfig"]
+    assert cluster["enableInTreeAutoscaling"] is False
+    assert cluster["autoscalerOptions"] == {"upscalingMode": "Conservative", "idleTimeoutSeconds": 300}
+
+
+def test_serve_config_parses_as_a_serve_application_of_our_builder():
+    from ray.serve.schema import ServeDeploySchema
+
+    from fleetserve.platform.config import parse_config
+
+    platform = {"models": [{"name": "llama", "source": "/models/llama", "replicas": 2,
+                            "autoscaling": {"min_replicas": 1, "max_replicas": 4},
+                            "resources": {"num_gpus": 1, "custom_resources": {"mig-3g.40gb": 1}}}]}
+    service = find(render({"platform": platform}), "RayService")
+    serve_config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
+    [application] = serve_config.applications
+    module, attribute = application.import_path.split(":")
+    assert callable(getattr(importlib.import_module(module), attribute))
+    config = parse_config(application.args["platform"])
+    assert config.models[0].deployment_options()["autoscaling_config"]["max_replicas"] == 4
+    assert config.models[0].deployment_options()["ray_actor_options"]["resources"] == {"mig-3g.40gb": 1}
+
+
+def test_optional_objects_appear_only_when_enabled():
+    assert {obj["kind"] for obj in render()} == {"RayService", "Service", "PodDisruptionBudget"}
+    objects = render(ALL_ON)
+    assert {obj["kind"] for obj in objects} == {"RayService", "Service", "PodDisruptionBudget", "ServiceMonitor",
+                                                "ConfigMap", "Secret"}
+    dashboard = find(objects, "ConfigMap")
+    assert json.loads(dashboard["data"]["fleetserve.json"])["title"]
+    assert find(objects, "Secret")["stringData"]["api-keys"].split() == ["sk-test-0123456789abcdef"]
+    assert "PodDisruptionBudget" not in {o["kind"] for o in render({"podDisruptionBudget": {"enabled": False}})}
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"gpu": {"migStrategy": "partial", "product": "x"}}, "value must be one of 'mixed', 'single', 'none'"),
+    ({"workerGroups": {"Decode_Pool": MIG_GROUP}}, "does not match pattern"),
+    ({"workerGroups": {"g": {**MIG_GROUP, "migProfile": "5g.10gb"}}}, "'5g.10gb' does not match pattern"),
+    ({"workerGroups": {"g": {**MIG_GROUP, "replicas": -1}}}, "/workerGroups/g/replicas"),
+    ({"replicaCount": 3}, "additional properties 'replicaCount' not allowed"),
+    ({"platform": {"models": []}}, "/platform/models"),
+])
+def test_invalid_values_are_rejected_with_the_key_path(values, message):
+    with pytest.raises(helm.HelmValuesError, match=message):
+        render(values)
