@@ -88,9 +88,18 @@ def status(
     url: Annotated[str, typer.Option(help="The platform's base URL.")] = "http://127.0.0.1:8000",
     once: Annotated[bool, typer.Option(help="Print one snapshot and exit (for scripts and tests).")] = False,
     interval: Annotated[float, typer.Option(help="Seconds between refreshes.")] = 1.0,
+    k8s: Annotated[bool, typer.Option("--k8s", help="Show the RayService's status in Kubernetes instead.")] = False,
+    name: Annotated[str, typer.Option(help="RayService name (with --k8s).")] = "fleetserve",
+    namespace: Annotated[str, typer.Option(help="Namespace (with --k8s).")] = "default",
+    kubeconfig: Annotated[Optional[str], typer.Option(help="Kubeconfig file (with --k8s; default ~/.kube/config).")] = None,
+    context: Annotated[Optional[str], typer.Option(help="Kubeconfig context (with --k8s).")] = None,
 ) -> None:
-    """A live view of models, replicas, KV usage, queues and tokens/s (Ctrl-C to quit)."""
+    """A live view of models, replicas, KV usage, queues and tokens/s (Ctrl-C to quit); --k8s: the RayService."""
     import time
+
+    if k8s:
+        _k8s_status(name, namespace, kubeconfig, context)
+        return
 
     import httpx
     from rich.console import Console as RichConsole
@@ -121,6 +130,69 @@ def status(
             except httpx.HTTPError as error:
                 console.print(f"[red]lost contact with {url}:[/] {error}")
                 raise typer.Exit(1) from None
+
+
+def _k8s_status(name: str, namespace: str, kubeconfig: Optional[str], context: Optional[str]) -> None:
+    from rich.table import Table
+
+    from fleetserve.platform.kube import DeployError, rayservice_status
+
+    try:
+        status = rayservice_status(name, namespace, kubeconfig, context)
+    except DeployError as error:
+        console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    table = Table(title=f"RayService {namespace}/{name}")
+    table.add_column("what")
+    table.add_column("status")
+    table.add_row("service", status.service_status or "(starting)")
+    table.add_row("ready", "yes" if status.ready else "no")
+    table.add_row("active cluster", status.active_cluster or "—")
+    if status.upgrading or status.pending_cluster:
+        table.add_row("upgrading to", status.pending_cluster or "(pending)")
+    for application, state in status.applications.items():
+        table.add_row(f"application {application}", state)
+    for deployment, state in status.deployments.items():
+        table.add_row(f"  {deployment}", state)
+    Console(width=120).print(table)
+
+
+@app.command()
+def deploy(
+    values: Annotated[list[Path], typer.Option("--values", "-f", help="Chart values file(s), e.g. from `fleetserve plan --emit-values`.")],
+    config_path: Annotated[Optional[Path], typer.Option("--config", help="Platform config; replaces the values' platform.")] = None,
+    name: Annotated[str, typer.Option(help="RayService (and release) name.")] = "fleetserve",
+    namespace: Annotated[str, typer.Option(help="Namespace.")] = "default",
+    chart: Annotated[Optional[Path], typer.Option(help="Chart folder (default: this checkout's helm/fleetserve).")] = None,
+    kubeconfig: Annotated[Optional[str], typer.Option(help="Kubeconfig file (default ~/.kube/config).")] = None,
+    context: Annotated[Optional[str], typer.Option(help="Kubeconfig context.")] = None,
+    dry_run: Annotated[bool, typer.Option(help="Print the RayService instead of applying it.")] = False,
+) -> None:
+    """Renders the chart's RayService and creates it, or patches it when it exists."""
+    import yaml
+
+    from fleetserve.platform.kube import CHART, DeployError, apply_rayservice, merge_values, render_rayservice
+
+    layers = []
+    for path in values:
+        try:
+            layers.append(yaml.safe_load(path.read_text()) or {})
+        except (OSError, yaml.YAMLError) as error:
+            console.print(f"[red]error:[/] cannot read values file {path}: {error}")
+            raise typer.Exit(2) from None
+    if config_path is not None:
+        layers.append({"platform": _load(config_path).model_dump(mode="json", exclude_defaults=True)})
+    try:
+        obj = render_rayservice(merge_values(*layers), name, namespace, chart or CHART)
+        if dry_run:
+            typer.echo(yaml.safe_dump(obj, sort_keys=False))
+            return
+        action = apply_rayservice(obj, kubeconfig, context)
+    except DeployError as error:
+        console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    console.print(f"RayService {namespace}/{name} {action}; watch it with "
+                  f"`fleetserve status --k8s --name {name} --namespace {namespace}`")
 
 
 @app.command()

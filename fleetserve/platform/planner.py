@@ -267,9 +267,9 @@ def _assign(items: list[tuple[str, str, int]], layout: tuple[str, ...]) -> tuple
 def pack(plans: list[ModelPlan], gpu: GpuSpec) -> list[GpuAssignment]:
     """Packs every replica onto GPUs using only the GPU operator's valid layouts.
 
-    Greedy: open one GPU at a time with the layout that places the most bytes of the remaining
-    replicas (ties: the one that leaves the least slot memory idle, then the first listed, which
-    is all-balanced). Whole-GPU plans take one GPU each, with MIG disabled.
+    Greedy: open one GPU at a time with the layout whose slots the remaining replicas fill most
+    (by slot memory; ties: the least memory left idle, then the first listed, all-balanced).
+    Whole-GPU plans take one GPU each, with MIG disabled.
     """
     items = sorted(((plan.model, plan.slice, plan.need_bytes) for plan in plans for _ in range(plan.replicas)),
                    key=lambda item: -item[2])
@@ -279,9 +279,9 @@ def pack(plans: list[ModelPlan], gpu: GpuSpec) -> list[GpuAssignment]:
         best = None
         for name, layout in gpu.layouts.items():
             slots, placed = _assign(items, layout)
-            placed_bytes = sum(items[i][2] for i in placed)
+            used = sum(gpu.profile(profile).memory_bytes for profile, model in slots if model is not None)
             idle = sum(gpu.profile(profile).memory_bytes for profile, model in slots if model is None)
-            key = (placed_bytes, -idle)
+            key = (used, -idle)
             if placed and (best is None or key > best[0]):
                 best = (key, name, slots, placed)
         if best is None:

@@ -1,0 +1,162 @@
+"""The capacity planner's arithmetic on published model shapes, checked by hand."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from fleetserve.platform.config import parse_config
+from fleetserve.platform.gpus import GPUS, gpu
+from fleetserve.platform.planner import (
+    GiB,
+    ModelPlan,
+    PlanError,
+    PlanInputs,
+    chart_values,
+    model_shape,
+    pack,
+    params_from_config,
+    plan_config,
+    plan_model,
+)
+
+# Published config.json shapes (Hugging Face model cards).
+LLAMA_3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+              "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+LLAMA_3_70B = {**LLAMA_3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+               "num_attention_heads": 64}
+QWEN2_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+            "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+INPUTS = PlanInputs(context_len=4096, concurrency=8)
+
+
+def folder(tmp_path: Path, name: str, config: dict) -> Path:
+    path = tmp_path / name
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def test_parameter_counts_match_the_published_sizes():
+    # Llama-3-8B: embeddings 128256*4096 = 525,336,576, twice (untied head) = 1,050,673,152; per layer
+    # q,o 2*4096*4096 + k,v 2*4096*1024 = 41,943,040, MLP 3*4096*14336 = 176,160,768, norms 8,192
+    # -> 218,112,000 * 32 = 6,979,584,000; + final norm 4,096 = 8,030,261,248.
+    assert params_from_config(LLAMA_3_8B) == 8_030_261_248
+    # Llama-3-70B: 2*128256*8192 = 2,101,346,304; per layer 134,217,728 + 16,777,216 + 704,643,072 + 16,384
+    # = 855,654,400 * 80 = 68,452,352,000; + 8,192 = 70,553,706,496.
+    assert params_from_config(LLAMA_3_70B) == 70_553_706_496
+    # Qwen2-7B: 2*152064*3584 = 1,089,994,752; per layer q,o 2*12,845,056 + k,v 2*1,835,008 + qkv biases
+    # 4,608 + MLP 203,685,888 + norms 7,168 = 233,057,792 * 28 = 6,525,618,176; + 3,584 = 7,615,616,512.
+    assert params_from_config(QWEN2_7B) == 7_615_616_512
+
+
+@pytest.mark.parametrize("config, expected", [
+    (LLAMA_3_8B, 131_072),   # 2 * 32 layers * 8 kv heads * 128 head_dim * 2 bytes
+    (LLAMA_3_70B, 327_680),  # 2 * 80 * 8 * 128 * 2
+    (QWEN2_7B, 57_344),      # 2 * 28 * 4 * 128 * 2 (head_dim 3584 / 28)
+])
+def test_kv_bytes_per_token(tmp_path, config, expected):
+    assert model_shape("m", folder(tmp_path, "m", config)).kv_bytes_per_token == expected
+
+
+def test_llama_3_8b_on_h100_mig_takes_3g_40gb(tmp_path):
+    shape = model_shape("llama-3-8b", folder(tmp_path, "l", LLAMA_3_8B))
+    plan = plan_model(shape, gpu("h100-80gb"), True, INPUTS)
+    # weights 8,030,261,248 * 2 = 16,060,522,496; KV 8 * 4096 * 131,072 = 4,294,967,296; need 20,355,489,792.
+    assert plan.weight_bytes == 16_060_522_496 and plan.need_bytes == 20_355_489_792
+    # usable = memory * 0.9 - 1 GiB: 2g.20gb 16,926,258,176 < need <= 3g.40gb 34,926,258,176.
+    assert plan.slice == "3g.40gb" and plan.slice_usable_bytes == 34_926_258_176
+    # (34,926,258,176 - 16,060,522,496) // (4096 * 131,072) = 18,865,735,680 // 536,870,912 = 35.
+    assert plan.max_concurrent_seqs == 35
+    # 3g.40gb has 4 of 8 memory slices: 3.35e12 / 2 = 1.675e12 B/s; 8 * 1.675e12 / 20,355,489,792 = 658.30.
+    assert plan.decode_tokens_per_s == pytest.approx(658.299, rel=1e-5)
+    assert plan.single_stream_tokens_per_s == pytest.approx(1.675e12 / 16_060_522_496)
+    # $4/h * max(3/7, 4/8) / (658.30 * 3600) * 1e6 = $0.8439 per 1M output tokens.
+    assert plan.cost_per_million_output_tokens == pytest.approx(0.84393, rel=1e-4)
+    # 16,060,522,496 / 2e9 + 30 s = 38.03 s.
+    assert plan.cold_start_s == pytest.approx(38.0303, rel=1e-5)
+
+
+def test_qwen2_7b_on_h200_mig_takes_1g_35gb(tmp_path):
+    shape = model_shape("qwen2-7b", folder(tmp_path, "q", QWEN2_7B))
+    plan = plan_model(shape, gpu("h200-141gb"), True, INPUTS)
+    # need 15,231,233,024 + 8 * 4096 * 57,344 = 17,110,281,216; 1g.18gb holds 15,126,258,176, 1g.35gb 30,426,258,176.
+    assert plan.need_bytes == 17_110_281_216
+    assert plan.slice == "1g.35gb"
+
+
+def test_quantized_70b_fits_a_whole_h100_slice_but_bf16_misses_by_its_excess(tmp_path):
+    path = folder(tmp_path, "l70", LLAMA_3_70B)
+    awq = plan_model(model_shape("llama-3-70b-awq", path, quantization="awq"), gpu("h100-80gb"), True, INPUTS)
+    # 70,553,706,496 * 0.53 = 37,393,464,443 weights + 10,737,418,240 KV = 48,130,882,683 > 4g.40gb's 34.9e9.
+    assert awq.slice == "7g.80gb"
+    bf16 = model_shape("llama-3-70b", path)
+    # need 141,107,412,992 + 10,737,418,240 = 151,844,831,232; 7g.80gb usable 70,926,258,176: short 75.4 GiB.
+    with pytest.raises(PlanError, match=r"needs 141.4 GiB .* offers 66.1 GiB usable: short by 75.4 GiB"):
+        plan_model(bf16, gpu("h100-80gb"), True, INPUTS)
+    # A whole H200 (126,826,258,176 - ... ) still misses: 151,844,831,232 - 125,826,258,176 = 24.2 GiB.
+    with pytest.raises(PlanError, match=r"short by 24.2 GiB.*tensor parallelism"):
+        plan_model(bf16, gpu("h200-141gb"), False, INPUTS)
+
+
+def plan_factory(model: str, slice_name: str, replicas: int = 1, need_bytes: int = GiB) -> ModelPlan:
+    return ModelPlan(model, replicas, 0, need_bytes, 0, need_bytes, slice_name, 0, 0, 0.0, 0.0, 0.0, 0.0)
+
+
+def test_packing_fills_one_all_balanced_h100():
+    plans = [plan_factory("small", "1g.10gb", 2), plan_factory("mid", "2g.20gb"), plan_factory("big", "3g.40gb")]
+    [only] = pack(plans, gpu("h100-80gb"))
+    assert only.layout == "all-balanced"
+    assert sorted(only.slots) == sorted([("1g.10gb", "small"), ("1g.10gb", "small"), ("2g.20gb", "mid"),
+                                         ("3g.40gb", "big")])
+
+
+def test_packing_uses_only_valid_layouts_and_places_every_replica():
+    spec = gpu("a100-80gb")
+    plans = [plan_factory("a", "3g.40gb", 3), plan_factory("b", "1g.10gb", 5), plan_factory("c", "4g.40gb")]
+    gpus = pack(plans, spec)
+    for assignment in gpus:
+        assert tuple(profile for profile, _ in assignment.slots) == spec.layouts[assignment.layout]
+    placed = [model for assignment in gpus for _, model in assignment.slots if model]
+    assert sorted(placed) == sorted(["a"] * 3 + ["b"] * 5 + ["c"])
+    # Optimal is 4: the 4g.40gb exists only in all-4g.40gb, alone on a GPU. Two GPUs hold at most
+    # 3 of the 3g.40gb replicas with 2 of the 1g.10gb ones (all-3g.40gb + all-balanced), so the
+    # other 3 small replicas need a third GPU for a and b.
+    assert len(gpus) == 4
+
+
+def test_every_gpu_has_six_profiles_and_balanced_layout_fits_its_slices():
+    for spec in GPUS.values():
+        assert len(spec.profiles) == 6
+        balanced = spec.layouts["all-balanced"]
+        assert sum(spec.profile(p).num_compute_slices for p in balanced) <= 7
+        assert sum(spec.profile(p).num_memory_slices for p in balanced) <= 8
+
+
+def test_plan_config_emits_values_the_chart_accepts(tmp_path):
+    helm = pytest.importorskip("helm_python")
+    config = parse_config({"models": [
+        {"name": "llama", "source": str(folder(tmp_path, "l", LLAMA_3_8B)), "replicas": 2,
+         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}},
+        {"name": "qwen", "source": str(folder(tmp_path, "q", QWEN2_7B)),
+         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}}]})
+    spec = gpu("h100-80gb")
+    plans = plan_config(config, spec, True, PlanInputs())
+    assert [plan.slice for plan in plans] == ["3g.40gb", "3g.40gb"]  # qwen needs 17.1e9 > 2g.20gb's 16.9e9
+    values = chart_values(config, plans, spec, True)
+    assert values["workerGroups"] == {"colocated-3g-40gb": {
+        "migProfile": "3g.40gb", "replicas": 3, "minReplicas": 0, "maxReplicas": 3, "cpu": "8", "memory": "32Gi"}}
+    llama = values["platform"]["models"][0]
+    assert llama["resources"] == {"num_gpus": 1, "custom_resources": {"mig-3g.40gb": 1}}
+    # The KV pool is what the slice leaves: 34,926,258,176 - 16,060,522,496 = 18,865,735,680 bytes.
+    assert llama["engine_args"]["kv_cache_memory_bytes"] == 18_865_735_680
+    with helm.Chart.load(str(Path(__file__).resolve().parents[2] / "helm" / "fleetserve")) as chart:
+        manifests = chart.render(values, name="demo", namespace="llm")
+    service = yaml.safe_load(manifests["fleetserve/templates/rayservice.yaml"])
+    served = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["platform"]
+    assert parse_config(served).model("llama").resources.custom_resources == {"mig-3g.40gb": 1}
