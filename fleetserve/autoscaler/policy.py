@@ -1,0 +1,300 @@
+"""Autoscaling policies: a window of per-replica signals in, a desired replica count and its reason out.
+
+Pure Python (no Ray). ``KVCachePolicy`` is fleetserve's: it scales a pool on what fills it, KV-cache
+usage and queued work, with the knobs of Kubernetes HPA behaviour (stabilization windows, step limits,
+min/max). ``OngoingRequestsPolicy`` re-implements Ray Serve's default and ``QueueDepthPolicy`` a
+KEDA-style queue-length scaler, so the simulator can compare all three on the same trace.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from statistics import fmean
+from typing import Literal, Protocol
+
+Pool = Literal["colocated", "prefill", "decode"]
+# Why a decision came out as it did; every decision carries exactly one.
+Reason = Literal["hold", "kv_high", "queue", "ttft", "kv_low", "cooldown", "idle_to_zero", "wake",
+                 "min_replicas", "max_replicas", "stabilizing", "ongoing_requests", "queue_depth"]
+
+
+@dataclass(frozen=True)
+class ReplicaSignals:
+    """One replica's engine, as last reported."""
+
+    # Fraction of KV-cache blocks in use, 0-1.
+    kv_cache_usage: float = 0.0
+    # Requests queued inside the engine, waiting for their first schedule.
+    num_waiting: int = 0
+    # Requests the engine is running.
+    num_running: int = 0
+    # Prompt plus generated tokens per second, recently.
+    tokens_per_s: float = 0.0
+    # Mean time to first token of requests that started recently; None when none did.
+    ttft_s: float | None = None
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """A pool at one moment: its replicas' signals and the work queued in front of it."""
+
+    time_s: float
+    # Replicas running (those in ``replicas``) plus any still starting.
+    num_replicas: int
+    replicas: tuple[ReplicaSignals, ...] = ()
+    # Requests waiting in front of the pool (router or handle queues), on no replica yet.
+    num_queued: int = 0
+
+    @property
+    def num_waiting(self) -> int:
+        """Every request not yet running: queued in front plus waiting inside engines."""
+        return self.num_queued + sum(r.num_waiting for r in self.replicas)
+
+    @property
+    def num_ongoing(self) -> int:
+        return self.num_waiting + sum(r.num_running for r in self.replicas)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A desired replica count and why."""
+
+    desired_replicas: int
+    reason: Reason
+    # The numbers behind it, for logs.
+    detail: str = ""
+
+
+class Policy(Protocol):
+    def decide(self, observation: PoolObservation) -> Decision: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds every policy shares (Kubernetes HPA's behaviour knobs)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 8
+    # Most replicas added (removed) by one decision.
+    max_step_up: int = 2
+    max_step_down: int = 1
+    # HPA stabilization: act on the lowest recommendation of the last upscale window (so a brief spike
+    # adds less), and the highest of the last downscale window (so a brief lull removes nothing).
+    upscale_stabilization_s: float = 0.0
+    downscale_stabilization_s: float = 60.0
+
+
+class _Stabilizer:
+    """Step limits, stabilization windows and min/max, applied to a raw recommendation."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.history: deque[tuple[float, int]] = deque()
+
+    def apply(self, now: float, current: int, raw: Decision) -> Decision:
+        limits = self.limits
+        self.history.append((now, raw.desired_replicas))
+        horizon = max(limits.upscale_stabilization_s, limits.downscale_stabilization_s)
+        while self.history and self.history[0][0] < now - horizon:
+            self.history.popleft()
+        desired, reason = raw.desired_replicas, raw.reason
+        if desired > current and limits.upscale_stabilization_s > 0:
+            stable = min(d for t, d in self.history if t >= now - limits.upscale_stabilization_s)
+            if stable < desired:
+                desired, reason = max(stable, current), "stabilizing"
+        elif desired < current and limits.downscale_stabilization_s > 0:
+            stable = max(d for t, d in self.history if t >= now - limits.downscale_stabilization_s)
+            if stable > desired:
+                desired, reason = min(stable, current), "stabilizing"
+        desired = min(desired, current + limits.max_step_up) if desired > current else max(
+            desired, current - limits.max_step_down)
+        if desired < limits.min_replicas:
+            desired, reason = limits.min_replicas, "min_replicas"
+        elif desired > limits.max_replicas:
+            desired, reason = limits.max_replicas, "max_replicas"
+        return Decision(desired, reason, raw.detail)
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    """fleetserve's KV-cache policy for one pool (see ``KVCachePolicy``)."""
+
+    pool: Pool = "colocated"
+    # Scale up when mean KV usage over the window exceeds this.
+    target_high: float = 0.75
+    # Scale down only after mean KV usage stays below this for the cooldown.
+    target_low: float = 0.35
+    # Scale up when requests not yet running exceed this many per replica.
+    max_waiting_per_replica: float = 2.0
+    # Prefill and colocated pools: scale up when recent mean TTFT exceeds this.
+    ttft_target_s: float = 2.0
+    # Seconds of observations the KV mean covers.
+    window_s: float = 30.0
+    # Seconds usage must stay low (and nothing wait) before one replica is removed.
+    scale_down_cooldown_s: float = 120.0
+    # With min_replicas 0: seconds with no work at all before scaling to zero.
+    idle_to_zero_s: float = 300.0
+    limits: Limits = field(default_factory=Limits)
+
+
+class KVCachePolicy:
+    """Scales a pool on KV-cache usage and queued work.
+
+    * decode pools: up when mean KV usage over the window exceeds ``target_high``, or when more than
+      ``max_waiting_per_replica`` requests per replica are not yet running;
+    * prefill pools: up on queued work, or when recent TTFT exceeds ``ttft_target_s``;
+    * colocated pools: all three rules;
+    * down by one only after usage stays below ``target_low`` with nothing waiting for
+      ``scale_down_cooldown_s`` (between the two targets it holds: hysteresis);
+    * with ``min_replicas: 0``, to zero after ``idle_to_zero_s`` without work, and back to one on the
+      first queued request.
+    """
+
+    def __init__(self, config: KVCacheConfig = KVCacheConfig()) -> None:
+        self.config = config
+        self.window: deque[PoolObservation] = deque()
+        self.low_since: float | None = None
+        self.idle_since: float | None = None
+        self.stabilizer = _Stabilizer(config.limits)
+
+    def _mean_kv(self) -> float:
+        samples = [fmean(r.kv_cache_usage for r in obs.replicas) for obs in self.window if obs.replicas]
+        return fmean(samples) if samples else 0.0
+
+    def _raw(self, obs: PoolObservation) -> Decision:
+        config, current = self.config, obs.num_replicas
+        if current == 0:
+            if obs.num_ongoing > 0:
+                return Decision(1, "wake", f"{obs.num_ongoing} request(s) arrived with no replica")
+            return Decision(0, "hold", "scaled to zero, no work")
+        mean_kv = self._mean_kv()
+        waiting_per_replica = obs.num_waiting / current
+        ttfts = [r.ttft_s for r in obs.replicas if r.ttft_s is not None]
+        ttft = fmean(ttfts) if ttfts else None
+        detail = (f"kv {mean_kv:.2f} over {config.window_s:g}s, waiting {obs.num_waiting} "
+                  f"({waiting_per_replica:.1f}/replica), ttft {ttft if ttft is None else round(ttft, 3)}")
+        wants: list[tuple[int, Reason]] = []
+        if config.pool != "prefill" and mean_kv > config.target_high:
+            wants.append((math.ceil(current * mean_kv / config.target_high), "kv_high"))
+        if waiting_per_replica > config.max_waiting_per_replica:
+            wants.append((math.ceil(obs.num_waiting / config.max_waiting_per_replica), "queue"))
+        if config.pool != "decode" and ttft is not None and ttft > config.ttft_target_s:
+            wants.append((math.ceil(current * ttft / config.ttft_target_s), "ttft"))
+        if wants:
+            self.low_since = self.idle_since = None
+            desired, reason = max(wants, key=lambda want: want[0])
+            return Decision(max(desired, current + 1), reason, detail)
+        return self._maybe_down(obs, mean_kv, detail)
+
+    def _maybe_down(self, obs: PoolObservation, mean_kv: float, detail: str) -> Decision:
+        config, current, now = self.config, obs.num_replicas, obs.time_s
+        idle = obs.num_ongoing == 0
+        self.idle_since = (self.idle_since if self.idle_since is not None else now) if idle else None
+        if config.limits.min_replicas == 0 and idle and now - self.idle_since >= config.idle_to_zero_s:
+            return Decision(0, "idle_to_zero", f"no work for {now - self.idle_since:.0f}s")
+        if mean_kv >= config.target_low or obs.num_waiting > 0:
+            self.low_since = None
+            return Decision(current, "hold", detail)
+        self.low_since = self.low_since if self.low_since is not None else now
+        if now - self.low_since >= config.scale_down_cooldown_s:
+            self.low_since = now  # the next removal waits a full cooldown again
+            return Decision(current - 1, "kv_low", detail)
+        return Decision(current, "cooldown", f"{detail}; low for {now - self.low_since:.0f}s")
+
+    def decide(self, observation: PoolObservation) -> Decision:
+        """The desired replica count for this observation (the policy keeps its own window)."""
+        self.window.append(observation)
+        while self.window and self.window[0].time_s < observation.time_s - self.config.window_s:
+            self.window.popleft()
+        raw = self._raw(observation)
+        if raw.reason == "wake":
+            return Decision(max(1, self.config.limits.min_replicas), "wake", raw.detail)
+        return self.stabilizer.apply(observation.time_s, observation.num_replicas, raw)
+
+
+@dataclass(frozen=True)
+class OngoingRequestsConfig:
+    """Ray Serve's default policy: ongoing requests per replica, with up/down delays."""
+
+    target_ongoing_requests: float = 2.0
+    upscale_delay_s: float = 30.0
+    downscale_delay_s: float = 600.0
+    limits: Limits = field(default_factory=lambda: Limits(max_step_up=1000, max_step_down=1000,
+                                                           downscale_stabilization_s=0.0))
+
+
+class OngoingRequestsPolicy:
+    """Ray Serve's default: ``ceil(ongoing / target_ongoing_requests)``, applied only after the same
+    direction has been recommended for the upscale (downscale) delay."""
+
+    def __init__(self, config: OngoingRequestsConfig = OngoingRequestsConfig()) -> None:
+        self.config = config
+        self.direction_since: tuple[int, float] | None = None
+        self.stabilizer = _Stabilizer(config.limits)
+
+    def decide(self, observation: PoolObservation) -> Decision:
+        config, current, now = self.config, observation.num_replicas, observation.time_s
+        wanted = math.ceil(observation.num_ongoing / config.target_ongoing_requests)
+        detail = f"{observation.num_ongoing} ongoing / {config.target_ongoing_requests:g} per replica"
+        direction = (wanted > current) - (wanted < current)
+        if direction == 0:
+            self.direction_since = None
+            return self.stabilizer.apply(now, current, Decision(current, "hold", detail))
+        if self.direction_since is None or self.direction_since[0] != direction:
+            self.direction_since = (direction, now)
+        delay = config.upscale_delay_s if direction > 0 else config.downscale_delay_s
+        if now - self.direction_since[1] < delay:
+            return self.stabilizer.apply(now, current, Decision(current, "cooldown", detail))
+        self.direction_since = None
+        return self.stabilizer.apply(now, current, Decision(wanted, "ongoing_requests", detail))
+
+
+@dataclass(frozen=True)
+class QueueDepthConfig:
+    """A KEDA-style scaler on queue length: replicas = ceil(queued / target), with HPA's windows."""
+
+    target_queue_per_replica: float = 4.0
+    # KEDA's cooldownPeriod before going to zero is covered by Limits' downscale window here.
+    limits: Limits = field(default_factory=lambda: Limits(max_step_up=4, max_step_down=1,
+                                                           downscale_stabilization_s=300.0))
+
+
+class QueueDepthPolicy:
+    """Scales on requests not yet running (what an external queue-length metric would show KEDA)."""
+
+    def __init__(self, config: QueueDepthConfig = QueueDepthConfig()) -> None:
+        self.config = config
+        self.stabilizer = _Stabilizer(config.limits)
+
+    def decide(self, observation: PoolObservation) -> Decision:
+        ongoing = observation.num_ongoing
+        wanted = math.ceil(ongoing / self.config.target_queue_per_replica)
+        return self.stabilizer.apply(observation.time_s, observation.num_replicas,
+                                     Decision(wanted, "queue_depth", f"{ongoing} ongoing"))
+
+
+def make_policy(spec: dict) -> Policy:
+    """A policy from a YAML-style mapping: ``{policy: kv_cache | ongoing_requests | queue_depth, ...}``.
+
+    Limits go under ``limits``; the rest are the policy's own knobs.
+
+    Raises:
+        ValueError: unknown policy or knob.
+    """
+    spec = dict(spec)
+    kind = spec.pop("policy", "kv_cache")
+    limits = spec.pop("limits", None)
+    classes = {"kv_cache": (KVCacheConfig, KVCachePolicy), "ongoing_requests": (OngoingRequestsConfig, OngoingRequestsPolicy),
+               "queue_depth": (QueueDepthConfig, QueueDepthPolicy)}
+    if kind not in classes:
+        raise ValueError(f"unknown policy {kind!r}; expected one of {sorted(classes)}")
+    config_cls, policy_cls = classes[kind]
+    try:
+        if limits is not None:
+            spec["limits"] = Limits(**{**config_cls().limits.__dict__, **limits})
+        return policy_cls(config_cls(**spec))
+    except TypeError as error:
+        raise ValueError(f"bad {kind} policy settings: {error}") from None
+

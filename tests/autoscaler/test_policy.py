@@ -1,0 +1,127 @@
+"""Autoscaling policies on hand-built pool observations, with the arithmetic in comments."""
+
+from __future__ import annotations
+
+import pytest
+
+from fleetserve.autoscaler.policy import (
+    KVCacheConfig,
+    KVCachePolicy,
+    Limits,
+    OngoingRequestsConfig,
+    OngoingRequestsPolicy,
+    PoolObservation,
+    QueueDepthPolicy,
+    ReplicaSignals,
+    make_policy,
+)
+
+
+def obs(time_s: float, *kv: float, waiting: int = 0, running: int = 1, queued: int = 0,
+        ttft: float | None = None, num_replicas: int | None = None) -> PoolObservation:
+    """A pool observation with one ReplicaSignals per KV usage given."""
+    replicas = tuple(ReplicaSignals(kv_cache_usage=u, num_waiting=waiting, num_running=running, ttft_s=ttft) for u in kv)
+    return PoolObservation(time_s, len(kv) if num_replicas is None else num_replicas, replicas, queued)
+
+
+def kv_policy(**knobs) -> KVCachePolicy:
+    limits = knobs.pop("limits", Limits(min_replicas=1, max_replicas=8, downscale_stabilization_s=0))
+    return KVCachePolicy(KVCacheConfig(limits=limits, **knobs))
+
+
+def test_high_kv_scales_up_in_proportion_capped_by_the_step():
+    policy = kv_policy(target_high=0.75)
+    decision = policy.decide(obs(0, 0.9, 0.9))
+    # ceil(2 * 0.9 / 0.75) = ceil(2.4) = 3 replicas.
+    assert (decision.desired_replicas, decision.reason) == (3, "kv_high")
+    decision = kv_policy(target_high=0.5).decide(obs(0, 1.0, 1.0))
+    # ceil(2 * 1.0 / 0.5) = 4, but max_step_up 2 -> 2 + 2 = 4; with 1.0/0.4 it would be 5 -> capped at 4.
+    assert decision.desired_replicas == 4
+    assert kv_policy(target_high=0.4).decide(obs(0, 1.0, 1.0)).desired_replicas == 4
+
+
+def test_kv_mean_is_taken_over_the_window():
+    policy = kv_policy(target_high=0.75, window_s=30)
+    assert policy.decide(obs(0, 0.5)).reason == "hold"
+    # Window holds 0.5 and 0.9: mean 0.7 <= 0.75 -> hold; a single spike does not scale.
+    assert policy.decide(obs(10, 0.9)).reason == "hold"
+    # At t=45 the 0.5 sample (t=0) has left the 30 s window: mean(0.9, 0.9) = 0.9 > 0.75.
+    assert policy.decide(obs(45, 0.9)).reason == "kv_high"
+
+
+def test_queue_scales_up_even_with_low_kv():
+    # 1 replica, 5 queued + 2 waiting in the engine = 7 > 2 per replica -> ceil(7 / 2) = 4, step-capped at 1 + 2 = 3.
+    decision = kv_policy().decide(obs(0, 0.1, waiting=2, queued=5))
+    assert (decision.desired_replicas, decision.reason) == (3, "queue")
+
+
+def test_pool_kinds_use_their_own_signals():
+    # Decode ignores TTFT; prefill ignores KV; colocated uses both.
+    assert kv_policy(pool="decode").decide(obs(0, 0.5, ttft=9.0)).reason == "hold"
+    assert kv_policy(pool="prefill").decide(obs(0, 0.99)).reason == "hold"
+    assert kv_policy(pool="prefill").decide(obs(0, 0.5, ttft=5.0)).reason == "ttft"
+    assert kv_policy(pool="colocated").decide(obs(0, 0.99)).reason == "kv_high"
+
+
+def test_scale_down_waits_for_the_cooldown_and_hysteresis_holds():
+    policy = kv_policy(target_low=0.35, target_high=0.75, scale_down_cooldown_s=60, window_s=5)
+    assert policy.decide(obs(0, 0.5, 0.5)).reason == "hold"  # between the targets: hysteresis
+    assert policy.decide(obs(10, 0.1, 0.1)).reason == "cooldown"  # low since t=10
+    assert policy.decide(obs(69, 0.1, 0.1)).reason == "cooldown"  # 59 s < 60 s
+    decision = policy.decide(obs(70, 0.1, 0.1))
+    assert (decision.desired_replicas, decision.reason) == (1, "kv_low")
+    # Waiting work resets the low timer.
+    assert policy.decide(obs(80, 0.1, waiting=1)).reason == "hold"
+
+
+def test_downscale_stabilization_keeps_the_highest_recent_recommendation():
+    limits = Limits(min_replicas=1, max_replicas=8, downscale_stabilization_s=100)
+    policy = kv_policy(scale_down_cooldown_s=0, window_s=1, limits=limits)
+    assert policy.decide(obs(0, 0.5, 0.5, 0.5)).desired_replicas == 3  # recommends 3 (hold)
+    decision = policy.decide(obs(10, 0.0, 0.0, 0.0))  # recommends 2, but 3 was recommended 10 s ago
+    assert (decision.desired_replicas, decision.reason) == (3, "stabilizing")
+    assert policy.decide(obs(111, 0.0, 0.0, 0.0)).desired_replicas == 2  # the 3s left the 100 s window
+
+
+def test_limits_clamp_and_say_so():
+    limits = Limits(min_replicas=2, max_replicas=3, downscale_stabilization_s=0)
+    assert kv_policy(limits=limits).decide(obs(0, 1.0, 1.0, 1.0)).reason == "max_replicas"
+    policy = kv_policy(limits=limits, scale_down_cooldown_s=0, window_s=1)
+    decision = policy.decide(obs(0, 0.0, 0.0))
+    assert (decision.desired_replicas, decision.reason) == (2, "min_replicas")
+
+
+def test_scale_to_zero_after_idle_and_wake_on_first_request():
+    limits = Limits(min_replicas=0, max_replicas=4, downscale_stabilization_s=0)
+    policy = kv_policy(limits=limits, idle_to_zero_s=300, scale_down_cooldown_s=10_000, window_s=1)
+    assert policy.decide(obs(0, 0.0, running=0)).reason == "cooldown"
+    decision = policy.decide(obs(300, 0.0, running=0))
+    assert (decision.desired_replicas, decision.reason) == (0, "idle_to_zero")
+    assert policy.decide(PoolObservation(310, 0)).desired_replicas == 0
+    decision = policy.decide(PoolObservation(320, 0, (), num_queued=1))
+    assert (decision.desired_replicas, decision.reason) == (1, "wake")
+
+
+def test_ray_default_waits_its_upscale_delay():
+    policy = OngoingRequestsPolicy(OngoingRequestsConfig(target_ongoing_requests=2, upscale_delay_s=30))
+    busy = dict(running=4)  # 2 replicas x 4 running = 8 ongoing -> ceil(8 / 2) = 4 wanted
+    assert policy.decide(obs(0, 0.5, 0.5, **busy)).reason == "cooldown"
+    assert policy.decide(obs(29, 0.5, 0.5, **busy)).desired_replicas == 2
+    decision = policy.decide(obs(30, 0.5, 0.5, **busy))
+    assert (decision.desired_replicas, decision.reason) == (4, "ongoing_requests")
+
+
+def test_queue_depth_policy_divides_ongoing_by_its_target():
+    # 2 replicas, 3 running each + 6 queued = 12 ongoing; / 4 per replica = 3.
+    decision = QueueDepthPolicy().decide(obs(0, 0.1, 0.1, running=3, queued=6))
+    assert decision.desired_replicas == 3
+
+
+def test_make_policy_reads_yaml_style_specs_and_rejects_unknown_knobs():
+    policy = make_policy({"policy": "kv_cache", "target_high": 0.6, "limits": {"max_replicas": 3}})
+    assert policy.config.target_high == 0.6 and policy.config.limits.max_replicas == 3
+    assert policy.config.limits.max_step_up == 2  # untouched limits keep their defaults
+    with pytest.raises(ValueError, match="unknown policy 'hpa'"):
+        make_policy({"policy": "hpa"})
+    with pytest.raises(ValueError, match="bad kv_cache policy settings"):
+        make_policy({"policy": "kv_cache", "target_hgih": 0.6})
