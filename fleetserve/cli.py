@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 
 from fleetserve.platform.config import ConfigError, PlatformConfig, default_config, load_config
+from fleetserve.autoscaler.commands import autoscale_app
 from fleetserve.router.commands import router_app
 
 app = typer.Typer(help="fleetserve: serve many LLMs behind one OpenAI-compatible endpoint.",
@@ -242,6 +243,7 @@ def plan(
 
 
 app.add_typer(router_app, name="router")
+app.add_typer(autoscale_app, name="autoscale")
 
 bench_app = typer.Typer(help="Load-test any OpenAI-compatible endpoint (fleetserve, vLLM, ...).",
                         pretty_exceptions_enable=False)

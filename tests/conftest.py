@@ -12,7 +12,7 @@ from fleetserve.loadtest.baseline import free_port
 from fleetserve.platform.config import PlatformConfig, parse_config
 from fleetserve.platform.shm import remove_orphaned_segments
 from fleetserve.platform.stats import EngineStats
-from factories import synthetic_correctness
+from factories import model_entry, synthetic_correctness
 
 MiB = 1024 * 1024
 
@@ -20,13 +20,6 @@ MiB = 1024 * 1024
 def pytest_sessionstart(session: pytest.Session) -> None:
     # Earlier runs may have left vLLM segments behind; they would pile up on CI machines.
     remove_orphaned_segments()
-
-
-def model_entry(name: str = "tiny", source: str = "tiny-random-llama", **engine_args: Any) -> dict[str, Any]:
-    """A model config entry with tiny defaults: float32 (reproducible greedy output), short context."""
-    args = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * MiB, "max_num_seqs": 32}
-    args.update(engine_args)
-    return {"name": name, "source": source, "engine_args": args}
 
 
 # The suite's shared app: the tiny model on core 0, SmolLM2 on core 1, and the routed name `auto`

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from fleetserve.router.routing_data import CorrectnessTable
@@ -14,3 +16,13 @@ def synthetic_correctness(num_prompts: int = 40, hard_every: int = 4) -> Correct
                for i, h in enumerate(hard)]
     correct = np.array([[not h, True] for h in hard])
     return CorrectnessTable(prompts, ["weak-model", "strong-model"], correct)
+
+
+MiB = 1024 * 1024
+
+
+def model_entry(name: str = "tiny", source: str = "tiny-random-llama", **engine_args: Any) -> dict[str, Any]:
+    """A model config entry with tiny defaults: float32 (reproducible greedy output), short context."""
+    args = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * MiB, "max_num_seqs": 32}
+    args.update(engine_args)
+    return {"name": name, "source": source, "engine_args": args}

@@ -93,19 +93,22 @@ class _Stabilizer:
         self.limits = limits
         self.history: deque[tuple[float, int]] = deque()
 
-    def apply(self, now: float, current: int, raw: Decision) -> Decision:
+    def apply(self, now: float, current: int, raw: Decision, record: bool = True) -> Decision:
+        """Applies the limits to ``raw``; ``record=False`` keeps it out of the stabilization windows
+        (a policy's own cooldown already delays it; counting it twice would block scale-down forever)."""
         limits = self.limits
-        self.history.append((now, raw.desired_replicas))
+        if record:
+            self.history.append((now, raw.desired_replicas))
         horizon = max(limits.upscale_stabilization_s, limits.downscale_stabilization_s)
         while self.history and self.history[0][0] < now - horizon:
             self.history.popleft()
         desired, reason = raw.desired_replicas, raw.reason
         if desired > current and limits.upscale_stabilization_s > 0:
-            stable = min(d for t, d in self.history if t >= now - limits.upscale_stabilization_s)
+            stable = min((d for t, d in self.history if t > now - limits.upscale_stabilization_s), default=desired)
             if stable < desired:
                 desired, reason = max(stable, current), "stabilizing"
         elif desired < current and limits.downscale_stabilization_s > 0:
-            stable = max(d for t, d in self.history if t >= now - limits.downscale_stabilization_s)
+            stable = max((d for t, d in self.history if t > now - limits.downscale_stabilization_s), default=desired)
             if stable > desired:
                 desired, reason = min(stable, current), "stabilizing"
         desired = min(desired, current + limits.max_step_up) if desired > current else max(
@@ -194,7 +197,7 @@ class KVCachePolicy:
         self.idle_since = (self.idle_since if self.idle_since is not None else now) if idle else None
         if config.limits.min_replicas == 0 and idle and now - self.idle_since >= config.idle_to_zero_s:
             return Decision(0, "idle_to_zero", f"no work for {now - self.idle_since:.0f}s")
-        if mean_kv >= config.target_low or obs.num_waiting > 0:
+        if mean_kv >= config.target_low or obs.num_waiting > 0 or current <= config.limits.min_replicas:
             self.low_since = None
             return Decision(current, "hold", detail)
         self.low_since = self.low_since if self.low_since is not None else now
@@ -211,7 +214,7 @@ class KVCachePolicy:
         raw = self._raw(observation)
         if raw.reason == "wake":
             return Decision(max(1, self.config.limits.min_replicas), "wake", raw.detail)
-        return self.stabilizer.apply(observation.time_s, observation.num_replicas, raw)
+        return self.stabilizer.apply(observation.time_s, observation.num_replicas, raw, record=raw.reason != "cooldown")
 
 
 @dataclass(frozen=True)

@@ -107,6 +107,24 @@ class EngineServer:
     async def check_health(self) -> None:
         await self.engine.check_health()
 
+    def autoscaling_signals(self) -> dict[str, float]:
+        """What the autoscaling policy reads: KV usage and queues now; TTFT and tokens/s since the
+        previous call (TTFT only when a request got its first token meanwhile)."""
+        stats = self.engine.stats()
+        now = time.monotonic()
+        previous, self._last_signals = getattr(self, "_last_signals", None), (now, stats)
+        signals = {"kv_cache_usage": stats.kv_cache_usage, "num_waiting": float(stats.num_waiting),
+                   "num_running": float(stats.num_running)}
+        if previous is not None and now > previous[0]:
+            before = previous[1]
+            tokens = (stats.num_prompt_tokens + stats.num_generation_tokens
+                      - before.num_prompt_tokens - before.num_generation_tokens)
+            signals["tokens_per_s"] = tokens / (now - previous[0])
+            firsts = stats.num_first_tokens - before.num_first_tokens
+            if firsts > 0:
+                signals["ttft_s"] = (stats.ttft_sum_s - before.ttft_sum_s) / firsts
+        return signals
+
     async def metrics_exposition(self) -> bytes:
         """This replica's vLLM-named metrics in Prometheus text format."""
         return self.metrics.exposition()
@@ -148,6 +166,10 @@ class EngineDeployment(EngineServer):
             return {}
         return {"kv_cache_usage": stats.kv_cache_usage, "num_running": stats.num_running,
                 "num_waiting": stats.num_waiting}
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics hook (every autoscaling metrics_interval_s)."""
+        return self.autoscaling_signals() if self.engine is not None else {}
 
     def __del__(self) -> None:
         # Serve calls __del__ on graceful shutdown; stopping the engine here lets its worker exit

@@ -45,4 +45,14 @@ class MetricsHub:
 @serve.deployment(name="metrics-hub", num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0},
                   logging_config={"enable_access_log": False})  # a push per replica per second
 class MetricsHubDeployment(MetricsHub):
-    """Ray Serve replica of the hub; one per application."""
+    """Ray Serve replica of the hub; one per application. Also relays the autoscaler's metrics, which
+    live in the Serve controller's policy objects."""
+
+    async def collect(self) -> tuple[list[bytes], dict[tuple[str, str], int]]:
+        import asyncio
+
+        from fleetserve.autoscaler.serve_adapter import autoscaler_exposition
+
+        texts, counts = await super().collect()
+        autoscaler = await asyncio.get_running_loop().run_in_executor(None, autoscaler_exposition)
+        return ([*texts, autoscaler] if autoscaler else texts), counts

@@ -78,13 +78,36 @@ class Resources(_Strict):
 
 
 class AutoscalingConfig(_Strict):
-    """Ray Serve replica autoscaling for a model's engine deployment (replaces a fixed replica count)."""
+    """Replica autoscaling for a model's engine deployment (replaces a fixed replica count).
 
+    ``kv_cache`` is fleetserve's policy (fleetserve.autoscaler.policy.KVCachePolicy): it scales on KV
+    usage, queued work and TTFT. ``ray_default`` is Ray Serve's ongoing-requests policy.
+    """
+
+    policy: Literal["kv_cache", "ray_default"] = "kv_cache"
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=4, ge=1)
-    # Requests per replica Serve aims for.
+    # kv_cache: which signals apply (decode: KV and queue; prefill: queue and TTFT; colocated: all).
+    pool: Literal["colocated", "prefill", "decode"] = "colocated"
+    # kv_cache: up above this mean KV usage; down only after it stays below target_low for the cooldown.
+    target_high: float = Field(default=0.75, gt=0, le=1)
+    target_low: float = Field(default=0.35, ge=0, lt=1)
+    # kv_cache: up when more requests than this per replica are not yet running.
+    max_waiting_per_replica: float = Field(default=2.0, gt=0)
+    # kv_cache: prefill and colocated pools scale up when recent mean TTFT exceeds this.
+    ttft_target_s: float = Field(default=2.0, gt=0)
+    window_s: float = Field(default=30.0, gt=0)
+    scale_down_cooldown_s: float = Field(default=120.0, ge=0)
+    idle_to_zero_s: float = Field(default=300.0, ge=0)
+    max_step_up: int = Field(default=2, ge=1)
+    max_step_down: int = Field(default=1, ge=1)
+    upscale_stabilization_s: float = Field(default=0.0, ge=0)
+    downscale_stabilization_s: float = Field(default=60.0, ge=0)
+    # How often the policy decides, and how often replicas report their engine's signals.
+    decision_period_s: float = Field(default=1.0, gt=0)
+    metrics_interval_s: float = Field(default=1.0, gt=0)
+    # ray_default: requests per replica Serve aims for, and its delays.
     target_ongoing_requests: float = Field(default=16, gt=0)
-    # How long demand must stay high (low) before adding (removing) replicas.
     upscale_delay_s: float = Field(default=30, ge=0)
     downscale_delay_s: float = Field(default=600, ge=0)
 
@@ -92,14 +115,32 @@ class AutoscalingConfig(_Strict):
     def _ordered(self) -> AutoscalingConfig:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
+        if self.target_low >= self.target_high:
+            raise ValueError(f"target_low ({self.target_low}) must be below target_high ({self.target_high})")
         return self
 
-    def serve_config(self, initial_replicas: int) -> dict[str, Any]:
+    def policy_kwargs(self, model: str) -> dict[str, Any]:
+        """Constructor arguments of fleetserve.autoscaler.serve_adapter.KVCacheServePolicy."""
+        knobs = self.model_dump(include={"pool", "target_high", "target_low", "max_waiting_per_replica",
+                                         "ttft_target_s", "window_s", "scale_down_cooldown_s", "idle_to_zero_s"})
+        limits = self.model_dump(include={"min_replicas", "max_replicas", "max_step_up", "max_step_down",
+                                          "upscale_stabilization_s", "downscale_stabilization_s"})
+        return {"model": model, "decision_period_s": self.decision_period_s, "limits": limits, **knobs}
+
+    def serve_config(self, initial_replicas: int, model: str = "") -> dict[str, Any]:
         """Serve's autoscaling_config."""
-        return {"min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
-                "initial_replicas": min(max(initial_replicas, self.min_replicas), self.max_replicas),
-                "target_ongoing_requests": self.target_ongoing_requests,
-                "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
+        config: dict[str, Any] = {
+            "min_replicas": self.min_replicas, "max_replicas": self.max_replicas,
+            "initial_replicas": min(max(initial_replicas, self.min_replicas), self.max_replicas)}
+        if self.policy == "ray_default":
+            return {**config, "target_ongoing_requests": self.target_ongoing_requests,
+                    "upscale_delay_s": self.upscale_delay_s, "downscale_delay_s": self.downscale_delay_s}
+        # The policy times its own decisions (window, cooldown, stabilization): no extra Serve delays.
+        return {**config, "metrics_interval_s": self.metrics_interval_s, "upscale_delay_s": 0.0,
+                "downscale_delay_s": 0.0,
+                "look_back_period_s": max(2 * self.metrics_interval_s, self.decision_period_s),
+                "policy": {"policy_function": "fleetserve.autoscaler.serve_adapter:KVCacheServePolicy",
+                           "policy_kwargs": self.policy_kwargs(model)}}
 
 
 class RoutingConfig(_Strict):
@@ -184,7 +225,7 @@ class ModelConfig(_Strict):
             "graceful_shutdown_timeout_s": 20,
         }
         if self.autoscaling is not None:
-            options["autoscaling_config"] = self.autoscaling.serve_config(self.replicas)
+            options["autoscaling_config"] = self.autoscaling.serve_config(self.replicas, self.name)
         else:
             options["num_replicas"] = self.replicas
         router = self.routing.request_router_config()

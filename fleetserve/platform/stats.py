@@ -33,6 +33,9 @@ class EngineStats:
     num_generation_tokens: int = 0
     # Requests that ran to a stop condition or max_tokens (cumulative); vLLM leaves aborted ones out.
     num_finished: int = 0
+    # Time to first token, summed over requests that got one, and how many did (cumulative).
+    ttft_sum_s: float = 0.0
+    num_first_tokens: int = 0
     # Engine steps recorded so far; 0 means the engine has not reported yet.
     num_steps: int = 0
     # Wall-clock time of the last report (time.time()).
@@ -77,6 +80,9 @@ class StatsRecorder:
             fields["num_prompt_tokens"] += int(iteration_stats.num_prompt_tokens)
             fields["num_generation_tokens"] += int(iteration_stats.num_generation_tokens)
             fields["num_finished"] += len(iteration_stats.finished_requests)
+            ttfts = iteration_stats.time_to_first_tokens_iter
+            fields["ttft_sum_s"] += float(sum(ttfts))
+            fields["num_first_tokens"] += len(ttfts)
         fields["num_steps"] += 1
         fields["updated_at"] = time.time()
         self._snapshot = EngineStats(**fields)

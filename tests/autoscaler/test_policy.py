@@ -87,7 +87,12 @@ def test_limits_clamp_and_say_so():
     limits = Limits(min_replicas=2, max_replicas=3, downscale_stabilization_s=0)
     assert kv_policy(limits=limits).decide(obs(0, 1.0, 1.0, 1.0)).reason == "max_replicas"
     policy = kv_policy(limits=limits, scale_down_cooldown_s=0, window_s=1)
-    decision = policy.decide(obs(0, 0.0, 0.0))
+    decision = policy.decide(obs(0, 0.0, 0.0, 0.0))  # 3 replicas idle: may go to 2
+    assert (decision.desired_replicas, decision.reason) == (2, "kv_low")
+    decision = policy.decide(obs(1, 0.0, 0.0))  # at min_replicas: holds rather than cycling
+    assert (decision.desired_replicas, decision.reason) == (2, "hold")
+    # Below the minimum (a config change raised it), a hold is lifted to the minimum and says so.
+    decision = kv_policy(limits=limits).decide(obs(0, 0.5))
     assert (decision.desired_replicas, decision.reason) == (2, "min_replicas")
 
 

@@ -1,0 +1,138 @@
+"""``fleetserve autoscale simulate``: replay a trace against autoscaling policies, side by side."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, Optional
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from fleetserve.autoscaler.policy import make_policy
+from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, SimResult, simulate
+from fleetserve.autoscaler.traces import TraceRequest, from_bench, synthetic
+
+autoscale_app = typer.Typer(help="Autoscaling policies: simulate them on a trace before production.",
+                            no_args_is_help=True)
+console = Console(stderr=True, soft_wrap=True)
+
+
+def _fail(message: str) -> typer.Exit:
+    console.print(f"[red]error:[/red] {message}")
+    return typer.Exit(2)
+
+
+def load_trace(spec: str, seed: int = 0) -> list[TraceRequest]:
+    """A bench result file (``fleetserve bench --save-detailed``) or a synthetic spec (see traces.synthetic)."""
+    path = Path(spec)
+    if path.exists():
+        return from_bench(path)
+    return synthetic(spec, seed)
+
+
+def _yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as error:
+        raise _fail(f"cannot read {path}: {error}") from None
+    if not isinstance(data, dict):
+        raise _fail(f"{path}: expected a mapping")
+    return data
+
+
+def results_table(results: list[SimResult], slo: SLO) -> Table:
+    table = Table(title=f"SLO: TTFT <= {slo.ttft_s:g} s, TPOT <= {slo.tpot_s * 1000:g} ms")
+    columns = ["policy", "TTFT SLO", "TPOT SLO", "both", "replica-seconds", "vs first", "p50 TTFT", "p99 TTFT",
+               "max replicas"]
+    for column in columns:
+        table.add_column(column, justify="left" if column == "policy" else "right")
+    base = results[0].replica_seconds
+    for result in results:
+        summary = result.summary()
+        table.add_row(result.policy, f"{result.ttft_attainment:.2%}", f"{result.tpot_attainment:.2%}",
+                      f"{result.slo_attainment:.2%}", f"{result.replica_seconds:,.0f}",
+                      f"{result.replica_seconds / base:.2f}x", f"{summary['p50_ttft_s']:.2f} s",
+                      f"{summary['p99_ttft_s']:.2f} s", str(summary["max_replicas"]))
+    return table
+
+
+def plot_timeline(results: list[SimResult], trace: list[TraceRequest], path: Path, title: str) -> None:
+    """Arrival rate, replicas, KV usage, queue and TTFT over time, one line per policy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    figure, axes = plt.subplots(5, 1, figsize=(10, 11), sharex=True)
+    arrivals = np.array([r.arrival_s for r in trace])
+    horizon = max(p.time_s for result in results for p in result.timeline)
+    bins = np.arange(0, horizon + 10, 10)
+    counts, _ = np.histogram(arrivals, bins)
+    axes[0].step(bins[:-1], counts / 10, where="post", color="black")
+    axes[0].set_ylabel("arrivals (req/s)")
+    for result in results:
+        times = [p.time_s for p in result.timeline]
+        axes[1].plot(times, [p.num_replicas for p in result.timeline], label=result.policy, drawstyle="steps-post")
+        axes[2].plot(times, [p.mean_kv_usage for p in result.timeline], label=result.policy, linewidth=0.8)
+        axes[3].plot(times, [p.num_queued for p in result.timeline], label=result.policy, linewidth=0.8)
+        axes[4].plot(times, [p.ttft_s if p.ttft_s is not None else math.nan for p in result.timeline],
+                     label=result.policy, linewidth=0.8)
+    for axis, label in zip(axes[1:], ["replicas", "mean KV usage", "queued requests", "median TTFT (s)"]):
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+    axes[4].set_yscale("log")
+    axes[4].set_xlabel("time (s)")
+    axes[1].legend(loc="upper left", fontsize=8)
+    axes[0].set_title(title)
+    figure.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+@autoscale_app.command("simulate")
+def simulate_command(
+    trace: Annotated[str, typer.Option(help="A `fleetserve bench --save-detailed` result, or ramp:DURATION:START:END, "
+                                            "bursts:DURATION:BASE:BURST[:BURSTINESS], day:DURATION:TROUGH:PEAK.")],
+    policy: Annotated[Path, typer.Option(help="Policy YAML, e.g. {policy: kv_cache, target_high: 0.75, limits: {max_replicas: 8}}.")],
+    compare: Annotated[Optional[list[Path]], typer.Option(help="More policy YAMLs to run on the same trace.")] = None,
+    profile: Annotated[Optional[Path], typer.Option(help="Replica profile YAML (ReplicaProfile fields); default: built-in.")] = None,
+    slo_ttft: Annotated[float, typer.Option(help="TTFT target in seconds.")] = 2.0,
+    slo_tpot: Annotated[float, typer.Option(help="TPOT target in seconds.")] = 0.1,
+    initial_replicas: Annotated[int, typer.Option(help="Replicas at the start.")] = 1,
+    plot: Annotated[Optional[Path], typer.Option(help="Write the timeline PNG here.")] = None,
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the summaries as JSON here.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for synthetic traces.")] = 0,
+) -> None:
+    """Replays a trace against each policy and compares SLO attainment and replica-seconds."""
+    try:
+        requests = load_trace(trace, seed)
+    except ValueError as error:
+        raise _fail(str(error)) from None
+    if not requests:
+        raise _fail(f"trace {trace} has no requests")
+    try:
+        replica = ReplicaProfile(**_yaml(profile)) if profile else ReplicaProfile()
+    except TypeError as error:
+        raise _fail(f"bad replica profile: {error}") from None
+    slo = SLO(slo_ttft, slo_tpot)
+    results = []
+    for path in [policy, *(compare or [])]:
+        try:
+            policy_object = make_policy(_yaml(path))
+            console.print(f"simulating {path.stem} on {len(requests)} requests ...")
+            results.append(simulate(requests, policy_object, replica, slo, initial_replicas, name=path.stem))
+        except ValueError as error:
+            raise _fail(f"{path}: {error}") from None
+    Console(width=140).print(results_table(results, slo))
+    if plot is not None:
+        plot_timeline(results, requests, plot, f"{trace} ({len(requests)} requests)")
+        console.print(f"timeline: {plot}")
+    if json_out is not None:
+        json_out.write_text(json.dumps({"trace": trace, "slo": slo.__dict__, "profile": replica.__dict__,
+                                        "results": {r.policy: r.summary() for r in results}}, indent=2) + "\n")

@@ -1,0 +1,117 @@
+"""Ray Serve adapter: the KV-cache policy as a Serve custom autoscaling policy. The one Ray-aware file here.
+
+Serve instantiates ``KVCacheServePolicy`` once per deployment (with ``policy_kwargs``) in its
+controller and calls it every control loop with an ``AutoscalingContext``; replicas feed it through
+``record_autoscaling_stats()`` (``EngineServer.autoscaling_signals``). The policy decides once per
+``decision_period_s`` and repeats its last answer in between. Decisions are logged when they change,
+and exported as ``fleetserve_autoscaler_desired_replicas`` and ``fleetserve_autoscaler_decisions_total``
+through a small named actor that the metrics hub reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from typing import Any
+
+import ray
+
+from fleetserve.autoscaler.policy import KVCacheConfig, KVCachePolicy, Limits, PoolObservation, ReplicaSignals
+
+logger = logging.getLogger("ray.serve")
+METRICS_ACTOR = "fleetserve-autoscaler-metrics"
+METRICS_NAMESPACE = "fleetserve"
+SIGNALS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "ttft_s")
+
+
+@ray.remote(num_cpus=0)
+class AutoscalerMetrics:
+    """Holds the autoscaler's Prometheus metrics (the controller process exposes none of ours)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Gauge
+
+        self.registry = CollectorRegistry()
+        self.desired = Gauge("fleetserve_autoscaler_desired_replicas", "Replicas the autoscaling policy wants.",
+                             ["model", "pool"], registry=self.registry)
+        self.decisions = Counter("fleetserve_autoscaler_decisions", "Autoscaling decisions by reason.",
+                                 ["model", "pool", "reason"], registry=self.registry)
+
+    def record(self, model: str, pool: str, desired: int, reason: str) -> None:
+        self.desired.labels(model, pool).set(desired)
+        self.decisions.labels(model, pool, reason).inc()
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+def autoscaler_exposition(timeout_s: float = 2.0) -> bytes:
+    """The autoscaler's metrics, or nothing when no KV-cache policy is running."""
+    try:
+        actor = ray.get_actor(METRICS_ACTOR, namespace=METRICS_NAMESPACE)
+        return ray.get(actor.exposition.remote(), timeout=timeout_s)
+    except (ValueError, ray.exceptions.RayError):
+        return b""
+
+
+def _signals(metrics: dict[str, dict[Any, float]], replica_ids: list[Any]) -> tuple[ReplicaSignals, ...]:
+    signals = []
+    for replica_id in replica_ids:
+        values = {name: metrics.get(name, {}).get(replica_id) for name in SIGNALS}
+        if values["kv_cache_usage"] is None:
+            continue  # not reported yet (starting)
+        ttft = values["ttft_s"]
+        signals.append(ReplicaSignals(kv_cache_usage=float(values["kv_cache_usage"]),
+                                      num_waiting=int(round(values["num_waiting"] or 0)),
+                                      num_running=int(round(values["num_running"] or 0)),
+                                      tokens_per_s=float(values["tokens_per_s"] or 0.0),
+                                      ttft_s=None if ttft is None or math.isnan(ttft) else float(ttft)))
+    return tuple(signals)
+
+
+class KVCacheServePolicy:
+    """Serve's class-callable custom policy around ``KVCachePolicy``.
+
+    Args:
+        model: the model's name (metrics and logs).
+        decision_period_s: how often to decide; between decisions the last one is repeated.
+        limits: ``Limits`` fields; everything else is ``KVCacheConfig`` fields.
+    """
+
+    def __init__(self, model: str = "", decision_period_s: float = 1.0, limits: dict[str, Any] | None = None,
+                 **knobs: Any) -> None:
+        self.model = model
+        self.decision_period_s = decision_period_s
+        self.config = KVCacheConfig(limits=Limits(**(limits or {})), **knobs)
+        self.policy = KVCachePolicy(self.config)
+        self.last: tuple[float, int, str] | None = None
+        self._metrics: Any = None
+
+    def _metrics_actor(self) -> Any:
+        if self._metrics is None:
+            self._metrics = AutoscalerMetrics.options(name=METRICS_ACTOR, namespace=METRICS_NAMESPACE,
+                                                      get_if_exists=True).remote()
+        return self._metrics
+
+    def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
+        now = ctx.current_time or time.time()
+        if self.last is not None and now - self.last[0] < self.decision_period_s:
+            return self.last[1], ctx.policy_state
+        signals = _signals(ctx.aggregated_metrics or {}, list(ctx.running_replicas))
+        queued = ctx.total_queued_requests or 0.0
+        observation = PoolObservation(now, ctx.target_num_replicas, signals, int(round(queued)))
+        decision = self.policy.decide(observation)
+        if self.last is None or (decision.desired_replicas, decision.reason) != self.last[1:]:
+            logger.info("autoscaler %s/%s: %d -> %d replicas (%s: %s)", self.model, self.config.pool,
+                        ctx.target_num_replicas, decision.desired_replicas, decision.reason, decision.detail)
+        self.last = (now, decision.desired_replicas, decision.reason)
+        try:
+            self._metrics_actor().record.remote(self.model, self.config.pool, decision.desired_replicas,
+                                                decision.reason)
+        except Exception:  # noqa: BLE001 - metrics must never stop scaling
+            logger.warning("autoscaler metrics actor unavailable", exc_info=True)
+        state = {**(ctx.policy_state or {}), "reason": decision.reason, "detail": decision.detail}
+        return decision.desired_replicas, state

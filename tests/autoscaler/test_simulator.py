@@ -1,0 +1,92 @@
+"""The pool simulator's arithmetic on tiny traces, and the simulate command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from fleetserve.autoscaler.policy import KVCacheConfig, KVCachePolicy, Limits, make_policy
+from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, simulate
+from fleetserve.autoscaler.traces import TraceRequest, bursts, synthetic
+from fleetserve.cli import app
+
+PROFILE = ReplicaProfile(kv_capacity_tokens=1000, prefill_tokens_per_s=4000, decode_step_base_s=0.01,
+                         decode_step_per_seq_s=0.001, max_num_seqs=8, max_num_batched_tokens=2048, startup_s=10)
+
+
+def fixed(replicas: int):
+    return KVCachePolicy(KVCacheConfig(limits=Limits(min_replicas=replicas, max_replicas=replicas)))
+
+
+def test_one_request_prefills_then_decodes_one_token_per_step():
+    result = simulate([TraceRequest(0.0, prompt_tokens=600, output_tokens=3)], fixed(1), PROFILE)
+    # Step 1 prefills 600 tokens: 0.01 + 600 / 4000 = 0.16 s, and yields the first token.
+    assert result.ttfts[0] == pytest.approx(0.16)
+    # Steps 2 and 3 decode one sequence each: 0.01 + 0.001 = 0.011 s; TPOT = 0.022 / 2.
+    assert result.tpots[0] == pytest.approx(0.011)
+
+
+def test_a_request_waits_until_its_whole_context_fits_the_kv():
+    trace = [TraceRequest(0.0, 500, 100), TraceRequest(0.0, 500, 100)]  # 600 + 600 > 1000 tokens
+    result = simulate(trace, fixed(1), PROFILE)
+    # The first runs 0.01 + 500/4000 = 0.135 s of prefill, then 99 decode steps of 0.011 s = 1.089 s;
+    # the second is admitted at the first tick after that (ticks are 0.05 s) and prefills in 0.135 s.
+    first_done = 0.135 + 99 * 0.011
+    assert result.ttfts[0] == pytest.approx(0.135)
+    assert first_done + 0.135 <= result.ttfts[1] <= first_done + 0.05 + 0.135 + 1e-9
+
+
+def test_replica_seconds_count_every_replica_for_the_whole_run():
+    trace = [TraceRequest(float(t), 100, 10) for t in range(10)]
+    result = simulate(trace, fixed(2), PROFILE, initial_replicas=2, drain_s=1.0)
+    # The last request arrives at 9 s and takes 0.035 s of prefill plus 9 decode steps of 0.011 s:
+    # done at 9.134 s, so the run ends at the next 0.05 s tick, 9.15 s; 2 replicas x 9.15 s = 18.3.
+    assert result.replica_seconds == pytest.approx(18.3, abs=0.01)
+    assert result.ttft_attainment == 1.0 and result.num_unfinished == 0
+
+
+def test_kv_policy_adds_replicas_for_a_burst_and_removes_them_after():
+    trace = bursts(420, base_rate=0.5, burst_rate=20, burst_every_s=150, burst_length_s=30,
+                   prompt_tokens=200, output_tokens=100, seed=1)
+    policy = KVCachePolicy(KVCacheConfig(window_s=5, scale_down_cooldown_s=20,
+                                         limits=Limits(min_replicas=1, max_replicas=6, max_step_up=3,
+                                                       downscale_stabilization_s=0)))
+    result = simulate(trace, policy, PROFILE, SLO(ttft_s=5.0))
+    replicas = [point.num_replicas for point in result.timeline]
+    # Bursts at 120-150 s and 270-300 s, then 120 s of base load to scale back down.
+    assert max(replicas) > 1 and replicas[-1] < max(replicas)
+    reasons = {point.decision.reason for point in result.timeline}
+    assert reasons & {"kv_high", "queue"} and "kv_low" in reasons
+
+
+def test_requests_larger_than_a_replica_are_refused_up_front():
+    with pytest.raises(ValueError, match="need more KV than one replica holds"):
+        simulate([TraceRequest(0.0, 900, 200)], fixed(1), PROFILE)
+
+
+def test_synthetic_specs_and_errors():
+    assert len(synthetic("ramp:60:1:3")) > 0
+    assert len(synthetic("day:120:1:5")) > 0
+    with pytest.raises(ValueError, match="unknown trace spec"):
+        synthetic("zigzag:60:1")
+
+
+def test_simulate_command_compares_policies_and_writes_plot(tmp_path):
+    kv = tmp_path / "kv.yaml"
+    kv.write_text("policy: kv_cache\nwindow_s: 5\nlimits: {max_replicas: 4}\n")
+    ray_default = tmp_path / "ray.yaml"
+    ray_default.write_text("policy: ongoing_requests\ntarget_ongoing_requests: 4\n")
+    result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", "bursts:120:1:8", "--policy", str(kv),
+                                      "--compare", str(ray_default), "--plot", str(tmp_path / "t.png"),
+                                      "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "r.json").read_text())
+    assert set(summary["results"]) == {"kv", "ray"}
+    assert (tmp_path / "t.png").stat().st_size > 20_000
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("policy: hpa\n")
+    result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", "ramp:10:1:2", "--policy", str(bad)])
+    assert result.exit_code == 2 and "unknown policy 'hpa'" in result.output
+    assert make_policy({"policy": "queue_depth"}).config.target_queue_per_replica == 4.0
