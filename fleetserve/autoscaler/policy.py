@@ -184,7 +184,8 @@ class KVCachePolicy:
         if waiting_per_replica > config.max_waiting_per_replica:
             wants.append((math.ceil(obs.num_waiting / config.max_waiting_per_replica), "queue"))
         if config.pool != "decode" and ttft is not None and ttft > config.ttft_target_s:
-            wants.append((math.ceil(current * ttft / config.ttft_target_s), "ttft"))
+            # One more: TTFT is not proportional to replicas (a long prompt's prefill takes what it takes).
+            wants.append((current + 1, "ttft"))
         if wants:
             self.low_since = self.idle_since = None
             desired, reason = max(wants, key=lambda want: want[0])

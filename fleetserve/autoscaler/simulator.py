@@ -38,6 +38,8 @@ class ReplicaProfile:
     max_num_batched_tokens: int = 2048
     # Seconds from "add a replica" to serving (process start, weight load, warm-up).
     startup_s: float = 30.0
+    # Fixed latency each request's first token carries beyond engine steps (API, IPC, scheduling).
+    request_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -99,10 +101,10 @@ class _Replica:
             request.prefilled += chunk
             if request.prefilled == request.spec.prompt_tokens:  # the first token comes with the last chunk
                 request.generated = 1
-                request.first_token_s = end
-                self.recent_ttfts.append(end - request.spec.arrival_s)
+                request.first_token_s = end + profile.request_overhead_s
+                self.recent_ttfts.append(request.first_token_s - request.spec.arrival_s)
         for request in [r for r in self.running if r.generated >= r.spec.output_tokens]:
-            request.finished_s = end
+            request.finished_s = max(end, request.first_token_s or end)
             self.running.remove(request)
         self.clock_s = end
         return duration
@@ -215,8 +217,12 @@ def _decide(policy: Policy, replicas: list[_Replica], queue: deque, now: float,
     signals = []
     ttfts: list[float] = []
     for replica in ready:
-        usage = replica.reserved_tokens / profile.kv_capacity_tokens
-        signals.append(ReplicaSignals(kv_cache_usage=usage, num_running=len(replica.running),
+        # As vLLM reports them: KV blocks hold the tokens computed so far; a request whose prefill has
+        # not started is still waiting.
+        usage = sum(r.prefilled + r.generated for r in replica.running) / profile.kv_capacity_tokens
+        waiting = sum(1 for r in replica.running if r.prefilled == 0)
+        signals.append(ReplicaSignals(kv_cache_usage=usage, num_waiting=waiting,
+                                      num_running=len(replica.running) - waiting,
                                       ttft_s=fmean(replica.recent_ttfts) if replica.recent_ttfts else None))
         ttfts += replica.recent_ttfts
         replica.recent_ttfts = []
@@ -244,7 +250,7 @@ def _result(name: str, requests: list[_Request], slo: SLO, replica_seconds: floa
             timeline: list[TimelinePoint]) -> SimResult:
     ttfts = np.array([r.first_token_s - r.spec.arrival_s if r.first_token_s is not None else math.inf
                       for r in requests])
-    tpots = np.array([(r.finished_s - r.first_token_s) / (r.spec.output_tokens - 1)
+    tpots = np.array([max(0.0, r.finished_s - r.first_token_s) / (r.spec.output_tokens - 1)
                       if r.finished_s is not None and r.spec.output_tokens > 1 else
                       (0.0 if r.finished_s is not None else math.inf) for r in requests])
     n = max(1, len(requests))

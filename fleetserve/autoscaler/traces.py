@@ -26,7 +26,7 @@ def _lengths(rng: np.random.Generator, n: int, mean: int, spread: float) -> np.n
     return rng.integers(low, high + 1, n)
 
 
-def _from_rate(rate_at, duration_s: float, prompt_tokens: int, output_tokens: int, spread: float,
+def from_rate(rate_at, duration_s: float, prompt_tokens: int, output_tokens: int, spread: float,
                burstiness: float, seed: int, prompt_at=None) -> list[TraceRequest]:
     """Arrivals of a time-varying rate by thinning a gamma process at the peak rate.
 
@@ -50,7 +50,7 @@ def _from_rate(rate_at, duration_s: float, prompt_tokens: int, output_tokens: in
 def ramp(duration_s: float, start_rate: float, end_rate: float, prompt_tokens: int = 256,
          output_tokens: int = 128, spread: float = 0.5, seed: int = 0) -> list[TraceRequest]:
     """Poisson arrivals whose rate climbs linearly from ``start_rate`` to ``end_rate`` req/s."""
-    return _from_rate(lambda t: start_rate + (end_rate - start_rate) * t / duration_s, duration_s, prompt_tokens,
+    return from_rate(lambda t: start_rate + (end_rate - start_rate) * t / duration_s, duration_s, prompt_tokens,
                       output_tokens, spread, 1.0, seed)
 
 
@@ -67,7 +67,7 @@ def bursts(duration_s: float, base_rate: float, burst_rate: float, burst_every_s
     def prompt_at(t: float) -> int:
         return burst_prompt_tokens if in_burst(t) and burst_prompt_tokens else prompt_tokens
 
-    return _from_rate(lambda t: burst_rate if in_burst(t) else base_rate, duration_s, prompt_tokens, output_tokens,
+    return from_rate(lambda t: burst_rate if in_burst(t) else base_rate, duration_s, prompt_tokens, output_tokens,
                       spread, burstiness, seed, prompt_at)
 
 
@@ -77,7 +77,7 @@ def day(duration_s: float, trough_rate: float, peak_rate: float, prompt_tokens: 
     def rate(t: float) -> float:
         return trough_rate + (peak_rate - trough_rate) * (1 - math.cos(2 * math.pi * t / duration_s)) / 2
 
-    return _from_rate(rate, duration_s, prompt_tokens, output_tokens, spread, 1.0, seed)
+    return from_rate(rate, duration_s, prompt_tokens, output_tokens, spread, 1.0, seed)
 
 
 def from_bench(path: Path) -> list[TraceRequest]:

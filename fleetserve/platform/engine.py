@@ -137,6 +137,12 @@ class Engine:
         return cls(llm, model.name, recorder)
 
     @property
+    def kv_capacity_tokens(self) -> int | None:
+        """Tokens the KV cache holds (blocks x block size); None before vLLM has sized it."""
+        cache = self._llm.vllm_config.cache_config
+        return cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
+
+    @property
     def max_model_len(self) -> int:
         return int(self._llm.model_config.max_model_len)
 

@@ -190,3 +190,10 @@ def test_optional_objects_appear_only_when_enabled():
 def test_invalid_values_are_rejected_with_the_key_path(values, message):
     with pytest.raises(helm.HelmValuesError, match=message):
         render(values)
+
+
+def test_keda_example_matches_the_keda_crd():
+    import jsonschema
+
+    obj = yaml.safe_load((ROOT / "examples" / "keda" / "scaledobject.yaml").read_text())
+    jsonschema.validate(obj, crd_schema("keda.sh_scaledobjects.yaml", "v1alpha1"))
