@@ -116,7 +116,11 @@ class _Stabilizer:
         if desired < limits.min_replicas:
             desired, reason = limits.min_replicas, "min_replicas"
         elif desired > limits.max_replicas:
-            desired, reason = limits.max_replicas, "max_replicas"
+            # A step up that the cap trims still says what asked for it; at the cap already, the cap is why.
+            if current >= limits.max_replicas:
+                return Decision(limits.max_replicas, "max_replicas", f"{raw.detail}; wanted {desired}")
+            desired = limits.max_replicas
+            return Decision(desired, reason, f"{raw.detail}; capped at max_replicas {desired}")
         return Decision(desired, reason, raw.detail)
 
 

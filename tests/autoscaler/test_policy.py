@@ -86,6 +86,11 @@ def test_downscale_stabilization_keeps_the_highest_recent_recommendation():
 def test_limits_clamp_and_say_so():
     limits = Limits(min_replicas=2, max_replicas=3, downscale_stabilization_s=0)
     assert kv_policy(limits=limits).decide(obs(0, 1.0, 1.0, 1.0)).reason == "max_replicas"
+    # 2 of at most 3 replicas at 0.9 usage, target 0.5: ceil(2 * 0.9 / 0.5) = 4, trimmed to 3 -- still
+    # reported as kv_high (what asked for it), with the cap in the detail.
+    decision = kv_policy(limits=limits, target_high=0.5).decide(obs(0, 0.9, 0.9))
+    assert (decision.desired_replicas, decision.reason) == (3, "kv_high")
+    assert "capped at max_replicas 3" in decision.detail
     policy = kv_policy(limits=limits, scale_down_cooldown_s=0, window_s=1)
     decision = policy.decide(obs(0, 0.0, 0.0, 0.0))  # 3 replicas idle: may go to 2
     assert (decision.desired_replicas, decision.reason) == (2, "kv_low")
