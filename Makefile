@@ -9,7 +9,7 @@ TORCH  := torch==2.13.0
 CONFIG ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test install bench clean
+.PHONY: serve test install bench clean router-checkpoints
 
 serve: $(STAMPS)/install
 	$(BIN)/fleetserve serve $(CONFIG)
@@ -36,6 +36,16 @@ $(STAMPS)/system:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || \
 	  echo "prometheus not installed: its test will skip"
 	@mkdir -p $(STAMPS) && touch $@
+
+# The router checkpoints examples/routed.yaml serves, trained on RouteLLM's MMLU data in ../shared/data
+# (minutes: MiniLM embeds 14k prompts once, then caches them).
+MMLU    ?= ../shared/data/routellm/mmlu
+ROUTERS := examples/routers
+router-checkpoints: $(STAMPS)/install
+	$(BIN)/fleetserve router train $(MMLU) --router classifier --embedder hashing --out $(ROUTERS)/mmlu-classifier-hashing
+	$(BIN)/fleetserve router calibrate $(ROUTERS)/mmlu-classifier-hashing --strong-fraction 0.3
+	$(BIN)/fleetserve router train $(MMLU) --router mf --embedder minilm --out $(ROUTERS)/mmlu-mf-minilm
+	$(BIN)/fleetserve router calibrate $(ROUTERS)/mmlu-mf-minilm --strong-fraction 0.3
 
 clean:
 	rm -rf $(VENV) $(STAMPS)

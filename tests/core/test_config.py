@@ -74,9 +74,22 @@ def test_extra_may_not_repeat_typed_keys():
 def test_routed_example_resolves_checkpoints_next_to_the_file():
     from fleetserve.router.model_routes import RouteTable
 
+    from factories import synthetic_correctness
+
+    from fleetserve.router.embedders import make_embedder
+    from fleetserve.router.quality_router import train_router
+
     config = load_config(EXAMPLES / "routed.yaml")
     assert config.model_routing.checkpoints["mf"] == str((EXAMPLES / "routers" / "mmlu-mf-minilm").resolve())
-    table = RouteTable(config.model_routing)  # loads the shipped checkpoints and their calibrations
+    # The example's checkpoints are built by `make router-checkpoints`, not committed: stand-ins with
+    # the MMLU models' names and a 0.3 calibration take their place.
+    data = synthetic_correctness()
+    data.models = ["mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview"]
+    routers = {}
+    for kind in ("mf", "classifier"):
+        routers[kind] = train_router(kind, data, make_embedder("hashing-256"))
+        routers[kind].calibrate(data.prompts, 0.3)
+    table = RouteTable(config.model_routing, routers=routers)
     assert table.names() == ["auto", "auto-mf"]
     assert table.resolve("auto").tiers == ("tiny", "smollm2")
     assert table.resolve("auto").checkpoint_models == ("mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview")
