@@ -12,18 +12,13 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
+from fleetserve.cli_errors import console, fail
 from fleetserve.autoscaler.policy import make_policy
 from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, SimResult, simulate
 from fleetserve.autoscaler.traces import TraceRequest, from_bench, synthetic
 
 autoscale_app = typer.Typer(help="Autoscaling policies: simulate them on a trace before production.",
                             no_args_is_help=True)
-console = Console(stderr=True, soft_wrap=True)
-
-
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
-    return typer.Exit(2)
 
 
 def load_trace(spec: str, seed: int = 0) -> list[TraceRequest]:
@@ -38,9 +33,9 @@ def _yaml(path: Path) -> dict[str, Any]:
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except (OSError, yaml.YAMLError) as error:
-        raise _fail(f"cannot read {path}: {error}") from None
+        raise fail(f"cannot read {path}: {error}") from None
     if not isinstance(data, dict):
-        raise _fail(f"{path}: expected a mapping")
+        raise fail(f"{path}: expected a mapping")
     return data
 
 
@@ -113,13 +108,13 @@ def simulate_command(
     try:
         requests = load_trace(trace, seed)
     except ValueError as error:
-        raise _fail(str(error)) from None
+        raise fail(str(error)) from None
     if not requests:
-        raise _fail(f"trace {trace} has no requests")
+        raise fail(f"trace {trace} has no requests")
     try:
         replica = ReplicaProfile(**_yaml(profile)) if profile else ReplicaProfile()
     except TypeError as error:
-        raise _fail(f"bad replica profile: {error}") from None
+        raise fail(f"bad replica profile: {error}") from None
     slo = SLO(slo_ttft, slo_tpot)
     results = []
     for path in [policy, *(compare or [])]:
@@ -128,7 +123,7 @@ def simulate_command(
             console.print(f"simulating {path.stem} on {len(requests)} requests ...")
             results.append(simulate(requests, policy_object, replica, slo, initial_replicas, name=path.stem))
         except ValueError as error:
-            raise _fail(f"{path}: {error}") from None
+            raise fail(f"{path}: {error}") from None
     Console(width=140).print(results_table(results, slo))
     if plot is not None:
         plot_timeline(results, requests, plot, f"{trace} ({len(requests)} requests)")

@@ -174,7 +174,8 @@ def simulate(trace: list[TraceRequest], policy: Policy, profile: ReplicaProfile 
     timeline: list[TimelinePoint] = []
     replica_seconds = 0.0
     next_decision = decision_interval_s
-    end_s = (trace[-1].arrival_s if trace else 0.0) + drain_s
+    last_arrival_s = max((r.arrival_s for r in trace), default=0.0)
+    end_s = last_arrival_s + drain_s
     now = 0.0
     while now < end_s:
         now += tick_s
@@ -206,7 +207,7 @@ def simulate(trace: list[TraceRequest], policy: Policy, profile: ReplicaProfile 
             next_decision += decision_interval_s
             timeline.append(_decide(policy, replicas, queue, now, profile))
             replicas = _apply(timeline[-1].decision.desired_replicas, replicas, now, profile)
-        if not pending and not queue and all(not r.running for r in replicas) and now > (trace[-1].arrival_s if trace else 0):
+        if not pending and not queue and now > last_arrival_s and all(not r.running for r in replicas):
             break
     return _result(name, requests, slo, replica_seconds, timeline)
 

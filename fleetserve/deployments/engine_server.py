@@ -70,6 +70,8 @@ class EngineServer:
         self.replica_id = replica_id
         self.pool = pool
         self.metrics = EngineMetrics(model.name, replica_id, pool)
+        # (monotonic time, stats) at the previous autoscaling_signals() call, for per-interval rates.
+        self._last_signals: tuple[float, EngineStats] | None = None
         path = Path(model_path) if model_path is not None else resolve_source(model.source)
         self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics])
 
@@ -112,7 +114,7 @@ class EngineServer:
         previous call (TTFT only when a request got its first token meanwhile)."""
         stats = self.engine.stats()
         now = time.monotonic()
-        previous, self._last_signals = getattr(self, "_last_signals", None), (now, stats)
+        previous, self._last_signals = self._last_signals, (now, stats)
         signals = {"kv_cache_usage": stats.kv_cache_usage, "num_waiting": float(stats.num_waiting),
                    "num_running": float(stats.num_running)}
         if previous is not None and now > previous[0]:

@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from fleetserve.cli_errors import console, fail
 from fleetserve.router.embedders import embed_cached, make_embedder
 from fleetserve.router.evaluation import RouterEvaluation, evaluate_routers
 from fleetserve.router.quality_router import (
@@ -25,22 +26,16 @@ from fleetserve.router.routing_data import CorrectnessTable, DataError, Split, d
 
 router_app = typer.Typer(help="Cost/quality model routers (RouteLLM-compatible): train, calibrate, eval.",
                          no_args_is_help=True)
-console = Console(stderr=True, soft_wrap=True)
-
-
-def _fail(message: str) -> typer.Exit:
-    console.print(f"[red]error:[/red] {message}")
-    return typer.Exit(2)
 
 
 def _split(data_path: Path, split: Split):
     try:
         data = load_training_data(data_path)
     except DataError as error:
-        raise _fail(str(error)) from None
+        raise fail(str(error)) from None
     part = data.select(split)
     if not part.prompts:
-        raise _fail(f"{data_path}: no prompts fall in the {split} split")
+        raise fail(f"{data_path}: no prompts fall in the {split} split")
     return part
 
 
@@ -52,11 +47,9 @@ def _embeddings(router: CostQualityRouter, prompts: list[str]) -> np.ndarray | N
 
 def _load(checkpoint: Path, threads: int) -> CostQualityRouter:
     try:
-        metadata = json.loads((checkpoint / "metadata.json").read_text())
-        embedder = make_embedder(metadata["embedder"], num_threads=threads) if metadata.get("embedder") else None
-        return load_router(checkpoint, embedder)
-    except (OSError, json.JSONDecodeError, KeyError, CheckpointError, ValueError) as error:
-        raise _fail(f"cannot load router checkpoint {checkpoint}: {error}") from None
+        return load_router(checkpoint, num_threads=threads)
+    except (CheckpointError, ValueError) as error:
+        raise fail(f"cannot load router checkpoint {checkpoint}: {error}") from None
 
 
 @router_app.command()
@@ -70,12 +63,12 @@ def train(
 ) -> None:
     """Trains a router on the training split (60% of prompts, by hash) and saves a checkpoint."""
     if router not in ("mf", "classifier", "random"):
-        raise _fail(f"unknown router {router!r}; expected mf, classifier or random")
+        raise fail(f"unknown router {router!r}; expected mf, classifier or random")
     part = _split(data, "train")
     try:
         encoder = make_embedder(embedder, num_threads=threads)
     except ValueError as error:
-        raise _fail(str(error)) from None
+        raise fail(str(error)) from None
     console.print(f"training {router} on {len(part.prompts)} prompts of {data} (train split), embedder {encoder.spec}")
     embeddings = embed_cached(encoder, part.prompts) if router != "random" else None
     info = {"data": str(data.resolve()), "data_sha256": data_sha256(data), "split": "train",
@@ -95,7 +88,7 @@ def calibrate(
 ) -> None:
     """Finds the threshold that sends --strong-fraction of the calibration split to the strong model."""
     if not 0.0 <= strong_fraction <= 1.0:
-        raise _fail(f"--strong-fraction must be in [0, 1], got {strong_fraction}")
+        raise fail(f"--strong-fraction must be in [0, 1], got {strong_fraction}")
     router = _load(checkpoint, threads)
     data = data or Path(router.metadata.get("training", {}).get("data", ""))
     part = _split(data, "calibration")
@@ -155,12 +148,12 @@ def evaluate(
     """Compares routers with the random router on the held-out test split: APGR, CPT(50%), CPT(80%)."""
     part = _split(data, "test")
     if not isinstance(part, CorrectnessTable):
-        raise _fail("eval needs per-prompt correctness CSVs (battles have no ground truth per model)")
+        raise fail("eval needs per-prompt correctness CSVs (battles have no ground truth per model)")
     routers = [_load(path, threads) for path in checkpoint]
     weak, strong = routers[0].weak, routers[0].strong
     for path, router in zip(checkpoint, routers):
         if (router.weak, router.strong) != (weak, strong) or weak not in part.models or strong not in part.models:
-            raise _fail(f"{path}: routes {router.weak} -> {router.strong}; expected {weak} -> {strong}, "
+            raise fail(f"{path}: routes {router.weak} -> {router.strong}; expected {weak} -> {strong}, "
                         f"both columns of {data}")
     rates = {"random": random_router([weak, strong]).win_rates(part.prompts)}
     for path, router in zip(checkpoint, routers):

@@ -105,20 +105,16 @@ def evaluate_routers(win_rates: dict[str, np.ndarray], weak_correct: np.ndarray,
     rng = np.random.default_rng(seed)
     n = len(weak_correct)
     samples = [rng.integers(0, n, n) for _ in range(num_bootstrap)]
-    per_router: dict[str, np.ndarray] = {}
-    results = []
-    for name, rates in win_rates.items():
-        stats = np.array([_figures(routing_curve(rates[s], weak_correct[s], strong_correct[s])) for s in samples])
-        per_router[name] = stats
-        curve = routing_curve(rates, weak_correct, strong_correct)
-        point = _figures(curve)
-        results.append((name, curve, point, stats))
+    curves = {name: routing_curve(rates, weak_correct, strong_correct) for name, rates in win_rates.items()}
+    points = {name: _figures(curve) for name, curve in curves.items()}
+    resampled = {name: np.array([_figures(routing_curve(rates[s], weak_correct[s], strong_correct[s])) for s in samples])
+                 for name, rates in win_rates.items()}
     evaluations = []
-    for name, curve, point, stats in results:
+    for name, curve in curves.items():
+        point, stats = points[name], resampled[name]
         gain = None
-        if baseline in per_router and name != baseline:
-            base_point = _figures(routing_curve(win_rates[baseline], weak_correct, strong_correct))[0]
-            gain = _interval(stats[:, 0] - per_router[baseline][:, 0], point[0] - base_point, confidence)
+        if baseline in resampled and name != baseline:
+            gain = _interval(stats[:, 0] - resampled[baseline][:, 0], point[0] - points[baseline][0], confidence)
         evaluations.append(RouterEvaluation(
             name, n, _interval(stats[:, 0], point[0], confidence), _interval(stats[:, 1], point[1], confidence),
             _interval(stats[:, 2], point[2], confidence), gain, curve))

@@ -163,11 +163,12 @@ class CostQualityRouter:
         return directory
 
 
-def load_router(directory: str | Path, embedder: Embedder | None = None) -> CostQualityRouter:
+def load_router(directory: str | Path, embedder: Embedder | None = None, num_threads: int = 1) -> CostQualityRouter:
     """Loads a checkpoint folder written by ``CostQualityRouter.save``.
 
     Args:
         embedder: overrides the one named in the metadata (it must have the same spec).
+        num_threads: torch threads of the embedder built from the metadata (1 in serving).
 
     Raises:
         CheckpointError: missing files, a newer format, or an embedder that does not match.
@@ -191,7 +192,7 @@ def load_router(directory: str | Path, embedder: Embedder | None = None) -> Cost
     spec = metadata.get("embedder")
     if kind != "random":
         if embedder is None:
-            embedder = make_embedder(spec)
+            embedder = make_embedder(spec, num_threads=num_threads)
         elif embedder.spec != spec:
             raise CheckpointError(f"{directory}: trained with embedder {spec!r}, not {embedder.spec!r}")
     weights = {} if kind == "random" else arrays
