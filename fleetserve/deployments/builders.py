@@ -7,48 +7,65 @@ from typing import Any
 
 from ray.serve import Application
 
+from fleetserve.deployments.disaggregated.decode_server import DecodeDeployment
+from fleetserve.deployments.disaggregated.prefill_server import PrefillDeployment
 from fleetserve.deployments.engine_server import EngineDeployment
 from fleetserve.deployments.ingress import IngressDeployment
 from fleetserve.deployments.metrics_hub import MetricsHubDeployment
-from fleetserve.platform.config import ConfigError, PlatformConfig, parse_config
+from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, parse_config
 from fleetserve.platform.engine import plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source
 
 
-def cpu_bindings_per_model(config: PlatformConfig, num_cores: int | None = None) -> dict[str, list[str] | None]:
-    """Core bindings for each model's replicas, spreading all CPU engines over the host's cores.
+def cpu_bindings_per_deployment(config: PlatformConfig, num_cores: int | None = None) -> dict[str, list[str] | None]:
+    """Core bindings for each engine deployment's replicas (every pool of every model), spreading all
+    CPU engines over the host's cores.
 
-    Models with an explicit ``resources.cpu_binding`` keep it; GPU models get none.
+    Pools with an explicit ``cpu_binding`` keep it; GPU models get none.
     """
     num_cores = num_cores or len(os.sched_getaffinity(0))
-    auto = [model for model in config.models if model.resources.cpu_binding is None and not model.resources.num_gpus]
-    plan = iter(plan_cpu_binding(sum(model.replicas for model in auto), num_cores))
+    pools = [model.pool_model(pool) for model in config.models for pool in model.pools()]
+    auto = [pool for pool in pools if pool.resources.cpu_binding is None and not pool.resources.num_gpus]
+    plan = iter(plan_cpu_binding(sum(pool.replicas for pool in auto), num_cores))
     bindings: dict[str, list[str] | None] = {}
-    for model in config.models:
-        if model.resources.num_gpus:
-            bindings[model.name] = None
-        elif model.resources.cpu_binding is not None:
-            bindings[model.name] = model.resources.cpu_binding
+    for pool in pools:
+        if pool.resources.num_gpus:
+            bindings[pool.deployment_name] = None
+        elif pool.resources.cpu_binding is not None:
+            bindings[pool.deployment_name] = pool.resources.cpu_binding
         else:
-            bindings[model.name] = [next(plan) for _ in range(model.replicas)]
+            bindings[pool.deployment_name] = [next(plan) for _ in range(pool.replicas)]
     return bindings
 
 
+def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
+                       hub: Any) -> Application:
+    """The deployment the ingress calls for ``model``: its engine, or its decode pool behind a prefill pool."""
+    if model.disaggregation is None:
+        return EngineDeployment.options(**model.deployment_options()).bind(
+            model.model_dump(), bindings[model.deployment_name], model_path, hub)
+    prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
+    prefill_app = PrefillDeployment.options(**prefill.deployment_options()).bind(
+        model.model_dump(), bindings[prefill.deployment_name], model_path, hub)
+    return DecodeDeployment.options(**decode.deployment_options()).bind(
+        model.model_dump(), bindings[decode.deployment_name], model_path, hub, prefill_app)
+
+
 def build_app(config: PlatformConfig, resolve_locally: bool = True) -> Application:
-    """The Serve application: one engine deployment per model behind one OpenAI ingress.
+    """The Serve application: one engine deployment per model (or a prefill and a decode deployment for a
+    disaggregated model) behind one OpenAI ingress.
 
     Args:
         config: the platform config.
         resolve_locally: resolve (and convert) model sources here, once, and hand replicas the
             folder; False lets each replica resolve its own source (multi-node clusters).
     """
-    bindings = cpu_bindings_per_model(config)
+    bindings = cpu_bindings_per_deployment(config)
     hub = MetricsHubDeployment.bind()
     engines = {}
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None
-        engines[model.name] = EngineDeployment.options(**model.deployment_options()).bind(
-            model.model_dump(), bindings[model.name], model_path, hub)
+        engines[model.name] = _engine_deployment(model, bindings, model_path, hub)
     routing = config.model_routing.model_dump() if config.model_routing is not None else None
     return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models}, routing)
 

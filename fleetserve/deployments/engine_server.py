@@ -18,6 +18,7 @@ from ray import serve
 
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import Engine, EngineRequestError, GenerationDelta, SamplingOptions
+from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics
 from fleetserve.platform.model_store import resolve_source
 from fleetserve.platform.stats import EngineStats
@@ -49,6 +50,8 @@ class EngineChunk:
     delta: GenerationDelta
     # Wall-clock time the engine server started on the request (the ingress derives its queue time).
     started_at: float = 0.0
+    # Disaggregated serving: the prefill replica whose KV this decode continued; None when prefilled here.
+    prefill_replica_id: str | None = None
 
 
 class EngineServer:
@@ -60,20 +63,21 @@ class EngineServer:
         replica_id: how responses name this server.
         cpu_binding: cores for the engine's CPU worker; None leaves vLLM's default.
         model_path: an already resolved HF folder; None resolves ``model.source`` here.
-        pool: the pool this server belongs to, for metric labels.
+        kv_transfer: joins KV transfer with peer engines (disaggregated pools); None serves colocated.
     """
 
     def __init__(self, model: ModelConfig, *, engine_cls: type[Engine] = Engine, replica_id: str = "local",
                  cpu_binding: str | None = None, model_path: str | Path | None = None,
-                 pool: str = "colocated") -> None:
+                 kv_transfer: KVTransferSpec | None = None) -> None:
         self.model = model
         self.replica_id = replica_id
-        self.pool = pool
-        self.metrics = EngineMetrics(model.name, replica_id, pool)
+        self.pool = model.pool
+        self.metrics = EngineMetrics(model.name, replica_id, self.pool)
         # (monotonic time, stats) at the previous autoscaling_signals() call, for per-interval rates.
         self._last_signals: tuple[float, EngineStats] | None = None
         path = Path(model_path) if model_path is not None else resolve_source(model.source)
-        self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics])
+        extra = {"kv_transfer": kv_transfer} if kv_transfer is not None else {}
+        self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics], **extra)
 
     def _prompt_ids(self, request: EngineRequest) -> list[int]:
         if request.messages is not None:
@@ -138,18 +142,18 @@ class EngineServer:
             engine.shutdown()
 
 
-@serve.deployment
-class EngineDeployment(EngineServer):
-    """Ray Serve replica of an engine server; options come from ``ModelConfig.deployment_options``."""
+class ServeReplica:
+    """What every engine replica adds under Ray Serve: identity, CPU binding, metrics publishing, and the
+    stats hooks Serve's request router and autoscaler call. Mixed in before a plain server class."""
 
-    def __init__(self, model: dict[str, Any], cpu_bindings: list[str] | None = None,
-                 model_path: str | None = None, metrics_hub: Any = None) -> None:
+    def _replica_identity(self, config: ModelConfig, cpu_bindings: list[str] | None) -> tuple[str, str | None]:
         context = serve.get_replica_context()
-        config = ModelConfig.model_validate(model)
         binding = cpu_bindings[context.rank.rank % len(cpu_bindings)] if cpu_bindings else None
-        logger.info("replica %s of %s: cpu binding %s", context.replica_id.unique_id, config.name, binding)
-        super().__init__(config, replica_id=context.replica_id.unique_id, cpu_binding=binding,
-                         model_path=model_path)
+        logger.info("replica %s of %s (%s pool): cpu binding %s", context.replica_id.unique_id, config.name,
+                    config.pool, binding)
+        return context.replica_id.unique_id, binding
+
+    def _start_publishing(self, metrics_hub: Any) -> None:
         self._hub = metrics_hub
         self._publisher = asyncio.get_event_loop().create_task(self._publish()) if metrics_hub else None
 
@@ -180,3 +184,15 @@ class EngineDeployment(EngineServer):
             self._publisher.cancel()
             self._hub.remove.remote(self.replica_id)
         self.shutdown()
+
+
+@serve.deployment
+class EngineDeployment(ServeReplica, EngineServer):
+    """Ray Serve replica of an engine server; options come from ``ModelConfig.deployment_options``."""
+
+    def __init__(self, model: dict[str, Any], cpu_bindings: list[str] | None = None,
+                 model_path: str | None = None, metrics_hub: Any = None) -> None:
+        config = ModelConfig.model_validate(model)
+        replica_id, binding = self._replica_identity(config, cpu_bindings)
+        super().__init__(config, replica_id=replica_id, cpu_binding=binding, model_path=model_path)
+        self._start_publishing(metrics_hub)

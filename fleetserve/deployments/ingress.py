@@ -23,6 +23,7 @@ from fleetserve.deployments.engine_server import EngineChunk, EngineRequest, Eng
 from fleetserve.deployments.protocol import (
     HEADER_MODEL,
     HEADER_POOL,
+    HEADER_PREFILL_REPLICA,
     HEADER_REPLICA,
     HEADER_REQUEST_ID,
     HEADER_ROUTE,
@@ -246,6 +247,11 @@ class OpenAIIngress:
             for item in problems)
         return APIError(f"invalid request: {details}", 400, param=".".join(location) or None)
 
+    def _pool_of(self, model: str) -> str:
+        """The pool whose replica streams the response: decode for a disaggregated model."""
+        config = self.models.get(model)
+        return "decode" if config is not None and config.disaggregation is not None else self.pool
+
     def _client(self, model: str) -> ModelClient:
         client = self.clients.get(model)
         if client is None:
@@ -275,8 +281,10 @@ class OpenAIIngress:
             raise APIError("the engine returned no output", 500, "internal_error") from None
         except Exception as error:  # noqa: BLE001 - every engine failure becomes an API error
             raise as_api_error(error) from None
-        headers = {HEADER_MODEL: model, HEADER_REPLICA: first.replica_id, HEADER_POOL: self.pool,
+        headers = {HEADER_MODEL: model, HEADER_REPLICA: first.replica_id, HEADER_POOL: self._pool_of(model),
                    HEADER_REQUEST_ID: request_id}
+        if first.prefill_replica_id is not None:
+            headers[HEADER_PREFILL_REPLICA] = first.prefill_replica_id
         if choice is not None:
             headers[HEADER_ROUTE] = choice.route
             if choice.win_rate is not None:

@@ -19,6 +19,9 @@ from fleetserve.platform.engine import GenerationDelta, SamplingOptions, TokenLo
 HEADER_MODEL = "x-fleetserve-model"
 HEADER_REPLICA = "x-fleetserve-replica"
 HEADER_POOL = "x-fleetserve-pool"
+# Disaggregated models: the prefill replica whose KV the decode replica (x-fleetserve-replica) continued;
+# absent when the prompt was short enough to prefill on the decode replica (min_prompt_tokens).
+HEADER_PREFILL_REPLICA = "x-fleetserve-prefill-replica"
 # Why the replica router chose that replica: cache_hit, load, imbalance, session, round_robin, power_of_two.
 HEADER_ROUTE_REASON = "x-fleetserve-route-reason"
 # The routed name a cost/quality route resolved (e.g. "auto"), and the strong win rate it computed.
@@ -27,7 +30,7 @@ HEADER_WIN_RATE = "x-fleetserve-win-rate"
 # Clients may name a session for session-affinity routing (the body's `user` field works too).
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
-ROUTING_HEADERS = (HEADER_MODEL, HEADER_REPLICA, HEADER_POOL, HEADER_ROUTE_REASON)
+ROUTING_HEADERS = (HEADER_MODEL, HEADER_REPLICA, HEADER_POOL, HEADER_PREFILL_REPLICA, HEADER_ROUTE_REASON)
 
 
 class APIError(Exception):

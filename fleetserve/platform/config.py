@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 # Model names become Serve deployment names and URL-visible ids.
 _NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
@@ -169,6 +169,46 @@ class RoutingConfig(_Strict):
         }
 
 
+# Engine args that shape the KV cache's layout: a decode engine can only read KV written the same way.
+KV_LAYOUT_ARGS = ("dtype", "block_size", "quantization", "max_model_len")
+POOLS = ("colocated", "prefill", "decode")
+
+
+class PoolConfig(_Strict):
+    """One phase's pool of a disaggregated model."""
+
+    # Replicas in the pool (the initial count when autoscaling is set).
+    replicas: int = Field(default=1, ge=1)
+    # Overrides of the model's engine_args for this pool (e.g. a larger max_num_batched_tokens for prefill).
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    # Cores per replica on CPU hosts, cycled over replicas; None spreads them with the other engines.
+    cpu_binding: list[str] | None = None
+    # Autoscaling for this pool; its ``pool`` is this pool's phase. None keeps ``replicas`` fixed.
+    autoscaling: AutoscalingConfig | None = None
+    # Replica routing inside the pool; None: the model's routing for prefill, least_loaded for decode.
+    routing: RoutingConfig | None = None
+
+
+class DisaggregationConfig(_Strict):
+    """Separate prefill and decode pools for one model, with KV moved from prefill to decode engines."""
+
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    # How KV moves between the pools: vLLM's NixlConnector (UCX; RDMA or NVLink on GPUs, TCP/shm on CPU).
+    connector: Literal["nixl"] = "nixl"
+    # Prompts shorter than this are prefilled by the decode replica itself; 0 sends every prompt to prefill.
+    min_prompt_tokens: int = Field(default=0, ge=0)
+    # Prefill calls tried (a failed replica is left out of the next try) before the request fails with 503.
+    max_prefill_attempts: int = Field(default=2, ge=1)
+    # Seconds one prefill call may take before it is abandoned and tried again.
+    prefill_timeout_s: float = Field(default=60.0, gt=0)
+    # Seconds a prefill engine keeps KV that no decode engine reads (its decode side died or gave up).
+    kv_lease_s: int = Field(default=30, ge=1)
+    # Microseconds NIXL's progress thread sleeps between polls. NIXL's default, 0, busy-polls a core per
+    # engine: set 0 on GPU hosts with cores to spare for the lowest transfer latency.
+    nixl_progress_delay_us: int = Field(default=500, ge=0)
+
+
 class ModelConfig(_Strict):
     """One served model."""
 
@@ -188,6 +228,73 @@ class ModelConfig(_Strict):
     # Prices for cost estimates (fleetserve_estimated_cost_dollars), in dollars per 1M tokens.
     cost_per_million_input_tokens: float = Field(default=0.0, ge=0)
     cost_per_million_output_tokens: float = Field(default=0.0, ge=0)
+    # Separate prefill and decode pools; None serves both phases on the same replicas (colocated).
+    disaggregation: DisaggregationConfig | None = None
+    # Which pool this config describes; set by pool_model() for a disaggregated model's pools.
+    _pool: str = PrivateAttr(default="colocated")
+
+    @model_validator(mode="after")
+    def _check_disaggregation(self) -> ModelConfig:
+        pd = self.disaggregation
+        if pd is None:
+            return self
+        # A pool's own copy (pool_model) carries its replicas and autoscaling; it is never re-validated.
+        if self.replicas != 1 or self.autoscaling is not None:
+            raise ValueError("with disaggregation, set replicas and autoscaling per pool "
+                             "(disaggregation.prefill / disaggregation.decode), not on the model")
+        if "kv_transfer_config" in self.engine_args.extra:
+            raise ValueError("engine_args.extra.kv_transfer_config: the platform sets the KV connector "
+                             "for disaggregated models; remove it")
+        layouts = {}
+        for phase in ("prefill", "decode"):
+            pool: PoolConfig = getattr(pd, phase)
+            where = f"disaggregation.{phase}"
+            try:
+                args = EngineArgs.model_validate({**self.engine_args.model_dump(), **pool.engine_args})
+            except ValidationError as error:
+                problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+                raise ValueError(f"{where}.engine_args: {problems}") from None
+            if "kv_transfer_config" in args.extra:
+                raise ValueError(f"{where}.engine_args: kv_transfer_config is set by the platform; remove it")
+            layouts[phase] = {key: getattr(args, key) for key in KV_LAYOUT_ARGS}
+            if pool.autoscaling is not None and pool.autoscaling.pool not in ("colocated", phase):
+                raise ValueError(f"{where}.autoscaling.pool is {pool.autoscaling.pool!r}; this pool is {phase!r}")
+        differ = {key: (layouts["prefill"][key], layouts["decode"][key]) for key in KV_LAYOUT_ARGS
+                  if layouts["prefill"][key] != layouts["decode"][key]}
+        if differ:
+            raise ValueError(f"disaggregation: prefill and decode engine_args must agree on the KV layout; "
+                             f"they differ in {differ} (prefill, decode)")
+        return self
+
+    @property
+    def pool(self) -> str:
+        """colocated, or the phase (prefill, decode) of a pool config from ``pool_model``."""
+        return self._pool
+
+    def pools(self) -> tuple[str, ...]:
+        """The pools this model runs: colocated, or prefill and decode."""
+        return ("colocated",) if self.disaggregation is None else ("prefill", "decode")
+
+    def pool_model(self, pool: str) -> ModelConfig:
+        """This model's config for one pool: that pool's replicas, engine args, autoscaling and routing.
+
+        Raises:
+            ValueError: ``pool`` is not one of ``pools()``.
+        """
+        if pool not in self.pools():
+            raise ValueError(f"model {self.name} runs pools {self.pools()}, not {pool!r}")
+        if pool == "colocated":
+            return self
+        spec: PoolConfig = getattr(self.disaggregation, pool)
+        routing = spec.routing or (self.routing if pool == "prefill" else RoutingConfig(policy="least_loaded"))
+        autoscaling = (spec.autoscaling.model_copy(update={"pool": pool}) if spec.autoscaling is not None else None)
+        resources = (self.resources.model_copy(update={"cpu_binding": spec.cpu_binding})
+                     if spec.cpu_binding is not None else self.resources)
+        engine_args = EngineArgs.model_validate({**self.engine_args.model_dump(), **spec.engine_args})
+        copy = self.model_copy(update={"replicas": spec.replicas, "autoscaling": autoscaling, "routing": routing,
+                                       "resources": resources, "engine_args": engine_args})
+        copy._pool = pool
+        return copy
 
     def request_cost(self, num_input_tokens: int, num_output_tokens: int) -> float:
         """Estimated dollars for one request at this model's prices."""
@@ -203,7 +310,8 @@ class ModelConfig(_Strict):
 
     @property
     def deployment_name(self) -> str:
-        return f"engine-{self.name}"
+        """The Serve deployment: ``engine-<name>`` answers the ingress (colocated or decode pool)."""
+        return f"prefill-{self.name}" if self._pool == "prefill" else f"engine-{self.name}"
 
     def deployment_options(self) -> dict[str, Any]:
         """Ray Serve deployment options for this model's engine deployment (no Ray import needed)."""

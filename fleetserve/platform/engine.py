@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.platform.config import ConfigError, ModelConfig
+from fleetserve.platform.kv_transfer import KVTransferSpec
+from fleetserve.platform.nixl_tuning import DELAY_ENV as NIXL_DELAY_ENV
 from fleetserve.platform.stats import EngineStats, StatsListener, StatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -89,6 +91,9 @@ class GenerationDelta:
     # Prompt tokens served from the prefix cache.
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    # On the last delta of a request run with KV transfer: what the peer engine needs to continue it
+    # (a prefill's remote block ids and handshake address, for the decode engine).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 def _vllm_engine_arg_names() -> set[str]:
@@ -108,7 +113,8 @@ class Engine:
 
     @classmethod
     def create(cls, model: ModelConfig, model_path: Path, cpu_binding: str | None = None,
-               stats_listeners: Sequence[StatsListener] = ()) -> Engine:
+               stats_listeners: Sequence[StatsListener] = (),
+               kv_transfer: KVTransferSpec | None = None) -> Engine:
         """Builds the AsyncLLM for ``model`` from a resolved HF folder.
 
         Args:
@@ -116,6 +122,7 @@ class Engine:
             model_path: local HF folder, from the model store.
             cpu_binding: cores for the vLLM CPU worker (VLLM_CPU_OMP_THREADS_BIND); ignored on GPU.
             stats_listeners: also fed every engine step's stats (e.g. ``EngineMetrics``).
+            kv_transfer: joins KV transfer with prefill/decode peers; None serves colocated.
 
         Raises:
             ConfigError: an ``engine_args.extra`` key that vLLM does not know.
@@ -130,6 +137,12 @@ class Engine:
         if cpu_binding is not None:
             # Read by the worker process at spawn; must be set before the engine is built.
             os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding
+        if kv_transfer is not None:
+            # Also read at spawn, by the connector inside the engine core and worker processes.
+            os.environ.update(kv_transfer.env())
+            kwargs["kv_transfer_config"] = kv_transfer.vllm_config()
+        else:
+            os.environ.pop(NIXL_DELAY_ENV, None)
         args = AsyncEngineArgs(model=str(model_path), served_model_name=[model.name],
                                disable_log_stats=False, **kwargs)
         recorder = StatsRecorder(stats_listeners)
@@ -164,7 +177,7 @@ class Engine:
         # The template writes its own special tokens; adding them again would double the BOS.
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
-    def _sampling_params(self, options: SamplingOptions) -> Any:
+    def _sampling_params(self, options: SamplingOptions, kv_transfer_params: dict[str, Any] | None = None) -> Any:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -184,6 +197,7 @@ class Engine:
                 frequency_penalty=options.frequency_penalty,
                 repetition_penalty=options.repetition_penalty,
                 output_kind=RequestOutputKind.DELTA,
+                extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params is not None else None,
             )
         except ValueError as error:  # vLLM's own range checks (VLLMValidationError is a ValueError)
             raise EngineRequestError(str(error), param=getattr(error, "parameter", None)) from None
@@ -209,17 +223,24 @@ class Engine:
                 param="max_tokens")
         return max_tokens
 
-    async def generate(self, prompt_token_ids: list[int], options: SamplingOptions,
-                       request_id: str) -> AsyncIterator[GenerationDelta]:
+    async def generate(self, prompt_token_ids: list[int], options: SamplingOptions, request_id: str,
+                       kv_transfer_params: dict[str, Any] | None = None) -> AsyncIterator[GenerationDelta]:
         """Streams the output of one request as deltas.
 
         Closing the iterator early (client gone) aborts the request in the engine.
+
+        Args:
+            prompt_token_ids: the prompt.
+            options: sampling options.
+            request_id: unique among this engine's requests.
+            kv_transfer_params: for an engine built with KV transfer: ``{"do_remote_decode": True}`` keeps a
+                prefill's KV for a decode engine, and a prefill's returned params make this engine pull it.
 
         Raises:
             EngineRequestError: invalid sampling options or a prompt too long for the model.
         """
         max_tokens = self.check_length(len(prompt_token_ids), options.max_tokens)
-        params = self._sampling_params(dataclasses.replace(options, max_tokens=max_tokens))
+        params = self._sampling_params(dataclasses.replace(options, max_tokens=max_tokens), kv_transfer_params)
         finished = False
         try:
             async for output in self._llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id):
@@ -234,6 +255,7 @@ class Engine:
                     num_cached_tokens=output.num_cached_tokens or 0,
                     logprobs=(self._convert_logprobs(completion, options.logprobs)
                               if options.logprobs is not None else None),
+                    kv_transfer_params=output.kv_transfer_params if output.finished else None,
                 )
         finally:
             if not finished:

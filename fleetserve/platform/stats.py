@@ -31,6 +31,10 @@ class EngineStats:
     # Prompt tokens prefilled and tokens generated (cumulative).
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    # Prompt tokens this engine computed itself, and those whose KV arrived from a peer engine
+    # (disaggregated prefill) (cumulative).
+    num_computed_prompt_tokens: int = 0
+    num_external_prompt_tokens: int = 0
     # Requests that ran to a stop condition or max_tokens (cumulative); vLLM leaves aborted ones out.
     num_finished: int = 0
     # Time to first token, summed over requests that got one, and how many did (cumulative).
@@ -80,6 +84,10 @@ class StatsRecorder:
             fields["num_prompt_tokens"] += int(iteration_stats.num_prompt_tokens)
             fields["num_generation_tokens"] += int(iteration_stats.num_generation_tokens)
             fields["num_finished"] += len(iteration_stats.finished_requests)
+            prompt_stats = getattr(iteration_stats, "prompt_token_stats", None)
+            if prompt_stats is not None:
+                fields["num_computed_prompt_tokens"] += int(prompt_stats.computed)
+                fields["num_external_prompt_tokens"] += int(prompt_stats.external_kv_transfer)
             ttfts = iteration_stats.time_to_first_tokens_iter
             fields["ttft_sum_s"] += float(sum(ttfts))
             fields["num_first_tokens"] += len(ttfts)

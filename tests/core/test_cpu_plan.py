@@ -2,7 +2,7 @@
 
 import pytest
 
-from fleetserve.deployments.builders import cpu_bindings_per_model
+from fleetserve.deployments.builders import cpu_bindings_per_deployment
 from fleetserve.platform.config import parse_config
 from fleetserve.platform.engine import plan_cpu_binding
 
@@ -26,4 +26,15 @@ def test_bindings_spread_over_models_and_respect_explicit_ones():
         {"name": "g", "source": "x", "resources": {"num_gpus": 1}},
     ]})
     # a (2 replicas) and c share the 4 cores: 3 engines -> 1, 1, 2 cores.
-    assert cpu_bindings_per_model(config, num_cores=4) == {"a": ["0", "1"], "b": ["7"], "c": ["2-3"], "g": None}
+    assert cpu_bindings_per_deployment(config, num_cores=4) == {
+        "engine-a": ["0", "1"], "engine-b": ["7"], "engine-c": ["2-3"], "engine-g": None}
+
+
+def test_bindings_cover_both_pools_of_a_disaggregated_model():
+    config = parse_config({"models": [
+        {"name": "pd", "source": "x", "disaggregation": {"prefill": {"replicas": 2}, "decode": {"cpu_binding": ["5"]}}},
+        {"name": "c", "source": "x"},
+    ]})
+    # 2 prefill replicas + c = 3 automatic engines on 6 cores -> 2 cores each; decode keeps its own.
+    assert cpu_bindings_per_deployment(config, num_cores=6) == {
+        "prefill-pd": ["0-1", "2-3"], "engine-pd": ["5"], "engine-c": ["4-5"]}

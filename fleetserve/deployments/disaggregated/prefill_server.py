@@ -1,0 +1,114 @@
+"""The prefill server: computes a prompt's KV and keeps it for a decode engine to pull.
+
+``PrefillServer`` is a plain class; ``PrefillDeployment`` is its Ray Serve subclass.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ray import serve
+
+from fleetserve.deployments.engine_server import EngineRequest, EngineServer, ServeReplica
+from fleetserve.platform.config import ModelConfig
+from fleetserve.platform.engine import SamplingOptions
+from fleetserve.platform.kv_transfer import KVTransferSpec, lease_side_channel_ports, release_side_channel_ports
+
+logger = logging.getLogger(__name__)
+# One greedy token: vLLM's prefill step samples one, which the decode engine recomputes and keeps.
+PREFILL_OPTIONS = SamplingOptions(max_tokens=1, temperature=0.0)
+# Asks the engine to hold the finished prompt's KV blocks for a remote decode.
+REMOTE_DECODE = {"do_remote_decode": True}
+
+
+class PrefillError(RuntimeError):
+    """A prefill that produced no KV to hand over (the engine has no connector, or returned nothing)."""
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    """What a decode engine needs to continue a request a prefill engine started."""
+
+    # The prefill replica that holds the KV.
+    replica_id: str
+    # The prompt exactly as prefilled; decode must run these same tokens.
+    prompt_token_ids: list[int]
+    # vLLM's handover: remote block ids, engine id and handshake address, for the decode engine.
+    kv_transfer_params: dict[str, Any]
+    # Prompt tokens the prefill engine found in its own prefix cache.
+    num_cached_tokens: int = 0
+
+
+class PrefillServer(EngineServer):
+    """Serves the prefill phase of one model.
+
+    Args:
+        model: the prefill pool's config (``ModelConfig.pool_model("prefill")``).
+        kv_transfer: the engine's KV connector and handshake address.
+        **kwargs: as for ``EngineServer``.
+    """
+
+    def __init__(self, model: ModelConfig, *, kv_transfer: KVTransferSpec, **kwargs: Any) -> None:
+        super().__init__(model, kv_transfer=kv_transfer, **kwargs)
+
+    async def prefill(self, request: EngineRequest) -> PrefillResult:
+        """Computes the prompt's KV and keeps it for a decode engine.
+
+        The request's own max_tokens is checked against the context here, so a request that cannot
+        fit fails before any engine time is spent on it.
+
+        Raises:
+            EngineRequestError: the prompt or options are invalid for this model.
+            PrefillError: the engine returned no KV transfer parameters.
+        """
+        prompt_ids = self._prompt_ids(request)
+        self.engine.check_length(len(prompt_ids), request.options.max_tokens)
+        last = None
+        async for delta in self.engine.generate(prompt_ids, PREFILL_OPTIONS, request.request_id, REMOTE_DECODE):
+            last = delta
+        if last is None or not last.kv_transfer_params:
+            raise PrefillError(f"prefill replica {self.replica_id} returned no KV transfer parameters")
+        return PrefillResult(self.replica_id, prompt_ids, last.kv_transfer_params, last.num_cached_tokens)
+
+
+def replica_kv_transfer(model: ModelConfig, host: str) -> KVTransferSpec:
+    """Leases this replica's handshake port(s) on the node and describes its connector."""
+    pd = model.disaggregation
+    num_ports = int(model.engine_args.extra.get("data_parallel_size", 1))
+    port = lease_side_channel_ports(num_ports, host=host)
+    return KVTransferSpec(connector=pd.connector, side_channel_host=host, side_channel_port=port,
+                          lease_s=pd.kv_lease_s, progress_delay_us=pd.nixl_progress_delay_us)
+
+
+class KVTransferReplica(ServeReplica):
+    """A Serve replica whose engine joins KV transfer: leases its port and returns it on shutdown."""
+
+    def _kv_transfer(self, config: ModelConfig) -> KVTransferSpec:
+        from ray.util import get_node_ip_address
+
+        # Peers on other nodes reach the handshake at this node's address; loopback when single-node.
+        host = os.environ.get("FLEETSERVE_SIDE_CHANNEL_HOST") or get_node_ip_address()
+        self._kv_spec = replica_kv_transfer(config, host)
+        return self._kv_spec
+
+    def __del__(self) -> None:
+        super().__del__()
+        spec = getattr(self, "_kv_spec", None)
+        if spec is not None:
+            release_side_channel_ports(spec.side_channel_port)
+
+
+@serve.deployment
+class PrefillDeployment(KVTransferReplica, PrefillServer):
+    """Ray Serve replica of a prefill server; options from ``pool_model("prefill").deployment_options()``."""
+
+    def __init__(self, model: dict[str, Any], cpu_bindings: list[str] | None = None,
+                 model_path: str | None = None, metrics_hub: Any = None) -> None:
+        config = ModelConfig.model_validate(model).pool_model("prefill")
+        replica_id, binding = self._replica_identity(config, cpu_bindings)
+        super().__init__(config, kv_transfer=self._kv_transfer(config), replica_id=replica_id,
+                         cpu_binding=binding, model_path=model_path)
+        self._start_publishing(metrics_hub)

@@ -1,0 +1,192 @@
+"""Prefill/decode disaggregation on real vLLM engines with NixlConnector, without Ray.
+
+Two prefill and two decode servers run in this process, plus a colocated reference engine with the same
+engine args. Pairings are pinned through LocalPrefillClient, so each topology (1P1D, 2P1D, 1P2D) is
+exercised exactly. SmolLM2 in float32: its greedy output varies with the prompt (unlike the tiny random
+model's), and float32 keeps it reproducible across engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from factories import MiB, model_entry
+from fleetserve.deployments.disaggregated.decode_server import DecodeServer, LocalPrefillClient
+from fleetserve.deployments.disaggregated.prefill_server import PrefillServer
+from fleetserve.deployments.engine_server import EngineRequest, EngineServer
+from fleetserve.platform.config import ModelConfig
+from fleetserve.platform.engine import EngineRequestError, SamplingOptions
+from fleetserve.platform.kv_transfer import KVTransferSpec, lease_side_channel_ports
+from fleetserve.platform.model_store import resolve_source
+
+pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
+pytest.importorskip("nixl", reason="disaggregation needs nixl (make install adds it)")
+
+# vLLM's CPU block size is 128 tokens; prefill chunks are 256 tokens here.
+BLOCK = 128
+CHUNK = 256
+# Shorter than a block, one short of / exactly at / one past block boundaries, longer than a chunk.
+PROMPT_LENGTHS = [5, BLOCK - 1, BLOCK, 2 * BLOCK, 2 * BLOCK + 1, 2 * CHUNK + 100]
+MAX_TOKENS = 12
+GREEDY = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+
+
+def pd_model(min_prompt_tokens: int = 0) -> ModelConfig:
+    entry = model_entry("smollm2", "smollm2-135m-instruct", kv_cache_memory_bytes=64 * MiB,
+                        max_num_batched_tokens=CHUNK)
+    return ModelConfig.model_validate({**entry, "disaggregation": {"min_prompt_tokens": min_prompt_tokens}})
+
+
+def prompts(length_seed: int) -> list[list[int]]:
+    """Token-id prompts of PROMPT_LENGTHS, distinct per seed so no topology reuses another's cache."""
+    return [[100 + (7 * i + 13 * length_seed * (n + 1)) % 20000 for i in range(n)] for n in PROMPT_LENGTHS]
+
+
+class Cluster:
+    """The engines of this module: reference, prefill p0/p1, decode d0/d1."""
+
+    def __init__(self) -> None:
+        model = pd_model()
+        path = resolve_source(model.source)
+        self.reference = EngineServer(model, replica_id="ref", cpu_binding="1", model_path=path)
+        self.prefill = [PrefillServer(model.pool_model("prefill"), kv_transfer=self._spec(), replica_id=f"p{i}",
+                                      cpu_binding="0", model_path=path) for i in range(2)]
+        self.decode = [DecodeServer(model.pool_model("decode"), kv_transfer=self._spec(), replica_id=f"d{i}",
+                                    cpu_binding="1", model_path=path,
+                                    prefill_client=LocalPrefillClient(self.prefill)) for i in range(2)]
+
+    @staticmethod
+    def _spec() -> KVTransferSpec:
+        return KVTransferSpec(side_channel_port=lease_side_channel_ports())
+
+    def all(self) -> list[EngineServer]:
+        return [self.reference, *self.prefill, *self.decode]
+
+    def shutdown(self) -> None:
+        for server in self.all():
+            server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    started = Cluster()
+    yield started
+    started.shutdown()
+
+
+async def run(server: EngineServer, prompt: list[int], request_id: str, options: SamplingOptions = GREEDY):
+    """(token ids, prefill replica ids seen) of one request."""
+    tokens, prefill_ids = [], set()
+    async for chunk in server.generate(EngineRequest(request_id, options, prompt=prompt)):
+        tokens += chunk.delta.token_ids
+        prefill_ids.add(chunk.prefill_replica_id)
+    return tokens, prefill_ids
+
+
+async def wait_idle(servers, timeout_s: float = 20.0) -> list:
+    """Every server's stats once all report nothing running or waiting and no KV in use."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = [server.engine.stats() for server in servers]
+        if all(s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0 for s in stats):
+            return stats
+        if time.monotonic() > deadline:
+            return stats
+        await asyncio.sleep(0.2)
+
+
+@pytest.mark.parametrize(("topology", "prefill_order", "decode_ids"), [
+    ("1P1D", [0], [0]),
+    ("2P1D", [0, 1], [0]),
+    ("1P2D", [0], [0, 1]),
+])
+async def test_greedy_output_matches_colocated(cluster, topology, prefill_order, decode_ids):
+    batch = prompts(length_seed=len(topology) + sum(prefill_order) * 3 + sum(decode_ids) * 5)
+    reference = await asyncio.gather(*(run(cluster.reference, p, f"ref-{topology}-{i}") for i, p in enumerate(batch)))
+    for decode in cluster.decode:
+        decode.prefill_client = LocalPrefillClient(cluster.prefill, order=prefill_order)
+    before = [d.engine.stats() for d in cluster.decode]
+    outputs = await asyncio.gather(*(
+        run(cluster.decode[decode_ids[i % len(decode_ids)]], p, f"{topology}-{i}") for i, p in enumerate(batch)))
+    assert [tokens for tokens, _ in outputs] == [tokens for tokens, _ in reference]
+    # Each request names the prefill replica that served it, in the pinned order.
+    assert [ids for _, ids in outputs] == [{f"p{prefill_order[i % len(prefill_order)]}"} for i in range(len(batch))]
+    # The KV really moved: the decode engines prefilled nothing themselves.
+    after = await wait_idle(cluster.all())
+    decode_after = after[3:]
+    moved = sum(a.num_external_prompt_tokens - b.num_external_prompt_tokens for a, b in zip(decode_after, before))
+    computed = sum(a.num_computed_prompt_tokens - b.num_computed_prompt_tokens for a, b in zip(decode_after, before))
+    assert (moved, computed) == (sum(PROMPT_LENGTHS), 0)
+    assert [(s.num_running, s.kv_cache_usage) for s in after] == [(0, 0.0)] * 5
+
+
+async def test_short_prompts_skip_remote_prefill(cluster):
+    decode = cluster.decode[0]
+    decode.prefill_client = LocalPrefillClient(cluster.prefill)
+    decode.settings = pd_model(min_prompt_tokens=BLOCK).disaggregation
+    try:
+        short, long = prompts(length_seed=11)[0], prompts(length_seed=11)[2]
+        before = decode.engine.stats()
+        _, short_prefill = await run(decode, short, "short")
+        _, long_prefill = await run(decode, long, "long")
+        after = decode.engine.stats()
+    finally:
+        decode.settings = pd_model().disaggregation
+    assert short_prefill == {None} and long_prefill in ({"p0"}, {"p1"})
+    # 5 tokens prefilled on the decode replica; the 128-token prompt's KV came from prefill.
+    assert after.num_computed_prompt_tokens - before.num_computed_prompt_tokens == len(short)
+    assert after.num_external_prompt_tokens - before.num_external_prompt_tokens == len(long)
+
+
+@pytest.mark.parametrize("how", ["stop_string", "abort"])
+async def test_early_end_frees_both_sides(cluster, how):
+    decode = cluster.decode[1]
+    decode.prefill_client = LocalPrefillClient(cluster.prefill, order=[1])
+    prompt = prompts(length_seed=17)[-1]
+    if how == "stop_string":
+        # The reference tells which text the greedy output reaches after a few tokens.
+        text = ""
+        async for chunk in cluster.reference.generate(EngineRequest("ref-stop", GREEDY, prompt=prompt)):
+            text += chunk.delta.text
+        stop = text[len(text) // 2:][:3]
+        options = SamplingOptions(max_tokens=200, temperature=0.0, stop=(stop,))
+        tokens, _ = await run(decode, prompt, "stopped", options)
+        assert 0 < len(tokens) < MAX_TOKENS
+    else:
+        stream = decode.generate(EngineRequest("aborted", SamplingOptions(max_tokens=300, temperature=0.0,
+                                                                           ignore_eos=True), prompt=prompt))
+        async for chunk in stream:
+            if chunk.delta.token_ids:
+                break
+        await stream.aclose()
+    stats = await wait_idle([decode, cluster.prefill[1]])
+    assert [(s.num_running, s.num_waiting, s.kv_cache_usage) for s in stats] == [(0, 0, 0.0)] * 2
+
+
+async def test_failing_prefill_pool_is_a_clear_503(cluster):
+    class DeadPool:
+        calls = 0
+
+        async def prefill(self, request):
+            DeadPool.calls += 1
+            raise ConnectionError("prefill replica is gone")
+
+    decode = cluster.decode[0]
+    decode.prefill_client = DeadPool()
+    with pytest.raises(EngineRequestError) as raised:
+        await run(decode, prompts(length_seed=19)[2], "doomed")
+    assert raised.value.status_code == 503 and "prefill failed on 2 attempt(s)" in raised.value.message
+    assert DeadPool.calls == 2  # max_prefill_attempts
+    stats = await wait_idle([decode])
+    assert (stats[0].num_running, stats[0].kv_cache_usage) == (0, 0.0)
+
+
+async def test_too_long_prompt_fails_before_prefill(cluster):
+    decode = cluster.decode[0]
+    decode.prefill_client = LocalPrefillClient(cluster.prefill)
+    with pytest.raises(EngineRequestError) as raised:
+        await run(decode, [200] * 1020, "too-long", SamplingOptions(max_tokens=10))
+    assert raised.value.status_code == 400 and "maximum context length is 1024" in raised.value.message

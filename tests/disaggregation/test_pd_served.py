@@ -1,0 +1,211 @@
+"""A disaggregated model served through Ray Serve: 2 prefill and 2 decode replicas of the tiny model.
+
+Clients use the same OpenAI API as for colocated models; faults are injected by killing replicas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import time
+
+import httpx
+import pytest
+
+from conftest import Served
+from factories import model_entry
+from fleetserve.deployments.protocol import HEADER_POOL, HEADER_PREFILL_REPLICA, HEADER_REPLICA
+from fleetserve.platform.config import parse_config
+
+pytestmark = [pytest.mark.slow]
+pytest.importorskip("nixl", reason="disaggregation needs nixl (make install adds it)")
+
+MODEL = "pd-tiny"
+# Long enough that prefill is real work for the tiny model, short enough for its 1024-token context.
+LONG_PROMPT = " ".join(f"item {i} of the inventory list" for i in range(50))
+
+
+@pytest.fixture(scope="module")
+def pd_app(served) -> Served:
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+
+    pool = {"replicas": 2, "cpu_binding": ["0", "1"]}
+    config = parse_config({"models": [{
+        **model_entry(MODEL), "resources": {"num_cpus": 0.1},
+        "disaggregation": {"prefill": pool, "decode": pool, "max_prefill_attempts": 3, "prefill_timeout_s": 30}}]})
+    serve.run(build_app(config), name="pd", route_prefix="/pd")
+    yield Served(base_url=f"{served.base_url}/pd", config=config, handles={})
+    serve.delete("pd")
+
+
+def engine_gauges(app: Served) -> dict[tuple[str, str], dict[str, float]]:
+    """(pool, replica) -> {running, waiting, kv} for the PD model, from the app's /metrics."""
+    text = httpx.get(f"{app.base_url}/metrics", timeout=10).text
+    gauges: dict[tuple[str, str], dict[str, float]] = {}
+    names = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+             "vllm:kv_cache_usage_perc": "kv"}
+    for name, value_name in names.items():
+        for labels, value in re.findall(rf'^{re.escape(name)}{{([^}}]*)}} (\S+)$', text, re.M):
+            fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
+            if fields.get("model_name") == MODEL:
+                gauges.setdefault((fields["pool"], fields["replica"]), {})[value_name] = float(value)
+    return gauges
+
+
+def wait_all_idle(app: Served, timeout_s: float = 40.0) -> dict:
+    """The gauges once every PD replica reports nothing running or waiting and no KV in use."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gauges = engine_gauges(app)
+        idle = all(g == {"running": 0.0, "waiting": 0.0, "kv": 0.0} for g in gauges.values())
+        if (idle and len(gauges) >= 4) or time.monotonic() > deadline:
+            return gauges
+        time.sleep(1.0)
+
+
+def replica_actors(pool: str) -> list[str]:
+    """Names of the live Serve replica actors of one PD pool."""
+    import ray
+
+    deployment = f"prefill-{MODEL}" if pool == "prefill" else f"engine-{MODEL}"
+    return sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                  if f"#{deployment}#" in actor["name"] and actor["name"].startswith("SERVE_REPLICA"))
+
+
+def kill(actor_name: str) -> None:
+    import ray
+
+    ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+
+
+def completion(app: Served, prompt: str = LONG_PROMPT, max_tokens: int = 8, **extra) -> httpx.Response:
+    return httpx.post(f"{app.base_url}/v1/completions", timeout=120, json={
+        "model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra})
+
+
+def test_same_api_and_output_as_colocated(pd_app, served):
+    import openai
+
+    client = openai.OpenAI(base_url=f"{pd_app.base_url}/v1", api_key="unused")
+    colocated = openai.OpenAI(base_url=served.api_url, api_key="unused")
+    for prompt in ("Hello", LONG_PROMPT):
+        pd = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+        # The suite's `tiny` model has the same source and engine args, served colocated.
+        reference = colocated.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0)
+        assert pd.choices[0].text == reference.choices[0].text
+    stream = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": LONG_PROMPT}],
+                                            max_tokens=10, temperature=0, stream=True,
+                                            stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert chunks[-1].usage.completion_tokens == 10
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+
+
+def test_headers_name_both_replicas_and_load_spreads_over_pools(pd_app):
+    async def one(index: int) -> httpx.Response:
+        async with httpx.AsyncClient(timeout=120) as client:
+            return await client.post(f"{pd_app.base_url}/v1/completions", json={
+                "model": MODEL, "prompt": f"{index} {LONG_PROMPT}", "max_tokens": 16, "temperature": 0})
+
+    async def burst() -> list[httpx.Response]:
+        return await asyncio.gather(*(one(i) for i in range(12)))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 12
+    assert {r.headers[HEADER_POOL] for r in responses} == {"decode"}
+    # xPyD: both prefill and both decode replicas served some of the 12 concurrent requests.
+    assert len({r.headers[HEADER_PREFILL_REPLICA] for r in responses}) == 2
+    assert len({r.headers[HEADER_REPLICA] for r in responses}) == 2
+    assert not {r.headers[HEADER_PREFILL_REPLICA] for r in responses} & {r.headers[HEADER_REPLICA] for r in responses}
+
+
+@pytest.mark.parametrize("how", ["stop_string", "client_disconnect"])
+def test_early_end_frees_both_pools(pd_app, how):
+    if how == "stop_string":
+        text = completion(pd_app, max_tokens=12).json()["choices"][0]["text"]
+        stopped = completion(pd_app, max_tokens=100, stop=[text[4:7]])
+        assert stopped.status_code == 200 and stopped.json()["choices"][0]["finish_reason"] == "stop"
+    else:
+        body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 400, "temperature": 0, "stream": True,
+                "ignore_eos": True}
+        with httpx.stream("POST", f"{pd_app.base_url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            for index, _ in enumerate(response.iter_lines()):
+                if index >= 6:
+                    break  # leaving the block closes the connection mid-decode
+    gauges = wait_all_idle(pd_app)
+    assert len(gauges) == 4 and all(g == {"running": 0.0, "waiting": 0.0, "kv": 0.0} for g in gauges.values())
+
+
+def _burst(app: Served, num_requests: int, kill_after_s: float, victim: str) -> list[tuple[int, str]]:
+    """Sends num_requests concurrent requests, kills ``victim`` after kill_after_s; (status, body) each."""
+
+    async def one(index: int) -> tuple[int, str]:
+        async with httpx.AsyncClient(timeout=90) as client:
+            response = await client.post(f"{app.base_url}/v1/completions", json={
+                "model": MODEL, "prompt": f"{index} {LONG_PROMPT}", "max_tokens": 32, "temperature": 0,
+                "ignore_eos": True})
+            return response.status_code, response.text
+
+    async def run() -> list[tuple[int, str]]:
+        tasks = [asyncio.create_task(one(i)) for i in range(num_requests)]
+        await asyncio.sleep(kill_after_s)
+        kill(victim)
+        return await asyncio.gather(*tasks)
+
+    return asyncio.run(run())
+
+
+def test_killed_prefill_replica_is_retried_or_503_never_hangs(pd_app):
+    victim = replica_actors("prefill")[0]
+    started = time.monotonic()
+    results = _burst(pd_app, num_requests=16, kill_after_s=0.3, victim=victim)
+    elapsed = time.monotonic() - started
+    statuses = [status for status, _ in results]
+    assert set(statuses) <= {200, 503}, results
+    assert statuses.count(200) > 0
+    for status, body in results:
+        if status == 503:
+            assert json.loads(body)["error"]["type"] == "service_unavailable"
+    assert elapsed < 90  # every request answered (httpx would raise on its 90 s timeout)
+    after = completion(pd_app)
+    assert after.status_code == 200 and after.headers[HEADER_PREFILL_REPLICA]
+    gauges = wait_all_idle(pd_app)
+    decode = {key: g for key, g in gauges.items() if key[0] == "decode"}
+    assert decode and all(g["running"] == 0 and g["kv"] == 0 for g in decode.values())
+
+
+def test_killed_decode_replica_ends_streams_with_error_event(pd_app):
+    victim = replica_actors("decode")[0]
+
+    async def stream(index: int) -> tuple[str, list[dict]]:
+        events = []
+        async with httpx.AsyncClient(timeout=60) as client:
+            async with client.stream("POST", f"{pd_app.base_url}/v1/completions", json={
+                    "model": MODEL, "prompt": f"{index} {LONG_PROMPT}", "max_tokens": 500, "temperature": 0,
+                    "stream": True, "ignore_eos": True}) as response:
+                replica = response.headers.get(HEADER_REPLICA, "")
+                async for line in response.aiter_lines():
+                    if line.startswith("data: ") and line != "data: [DONE]":
+                        events.append(json.loads(line[6:]))
+        return replica, events
+
+    async def run():
+        tasks = [asyncio.create_task(stream(i)) for i in range(6)]
+        await asyncio.sleep(1.5)
+        kill(victim)
+        return await asyncio.gather(*tasks)
+
+    results = asyncio.run(run())
+    victim_id = victim.rsplit("#", 1)[1]
+    on_victim = [events for replica, events in results if replica == victim_id]
+    assert on_victim, "no stream landed on the killed replica"
+    for events in on_victim:
+        assert "error" in events[-1] and events[-1]["error"]["type"] == "service_unavailable"
+    # New requests go to the surviving decode replica.
+    after = [completion(pd_app) for _ in range(3)]
+    assert [r.status_code for r in after] == [200] * 3
+    assert victim_id not in {r.headers[HEADER_REPLICA] for r in after}
