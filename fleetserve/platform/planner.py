@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fleetserve.platform.config import PlatformConfig
+from fleetserve.platform.config import ModelConfig, PlatformConfig
 from fleetserve.platform.gpus import GpuSpec, MigProfile
 
 GiB = 1024**3
@@ -315,9 +315,18 @@ def plan_config(config: PlatformConfig, gpu: GpuSpec, mig: bool, inputs: PlanInp
                             str(args.extra.get("kv_cache_dtype", "auto")))
         targets = replace(inputs, context_len=context_len or args.max_model_len or inputs.context_len,
                           concurrency=concurrency or args.max_num_seqs or inputs.concurrency)
-        replicas = model.autoscaling.max_replicas if model.autoscaling is not None else model.replicas
-        plans.append(plan_model(shape, gpu, mig, targets, replicas))
+        plans.append(plan_model(shape, gpu, mig, targets, sum(_pool_replicas(model).values())))
     return plans
+
+
+def _pool_replicas(model: ModelConfig, at_most: bool = True) -> dict[str, int]:
+    """Replicas per pool: the autoscaling maximum (``at_most``) or the initial count."""
+    counts = {}
+    for pool in model.pools():
+        config = model.pool_model(pool)
+        scaling = config.autoscaling
+        counts[pool] = scaling.max_replicas if at_most and scaling is not None else config.replicas
+    return counts
 
 
 def group_name(pool: str, slice_name: str) -> str:
@@ -341,10 +350,14 @@ def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec, m
         resources.pop("cpu_binding", None)
         if mig:
             resources["custom_resources"] = {f"mig-{plan.slice}": 1}
-        name = group_name("colocated", plan.slice if mig else "gpu")
+        model = config.model(plan.model)
+        # Both pools of a disaggregated model share its slice size, so they share one worker group: Ray
+        # places prefill and decode replicas on any pod offering the slice's resource.
+        name = group_name("colocated" if model.disaggregation is None else "disaggregated",
+                          plan.slice if mig else "gpu")
         group = groups.setdefault(name, {"migProfile": plan.slice if mig else "", "replicas": 0, "minReplicas": 0,
                                          "maxReplicas": 0, "cpu": "8", "memory": "32Gi"})
-        group["replicas"] += config.model(plan.model).replicas
+        group["replicas"] += sum(_pool_replicas(model, at_most=False).values())
         group["maxReplicas"] += plan.replicas
         # Host memory to stage the weights while loading: 1.5x the weights, at least 32 GiB.
         memory_gib = max(32, math.ceil(plan.weight_bytes * 1.5 / GiB))

@@ -160,3 +160,19 @@ def test_plan_config_emits_values_the_chart_accepts(tmp_path):
     service = yaml.safe_load(manifests["fleetserve/templates/rayservice.yaml"])
     served = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["platform"]
     assert parse_config(served).model("llama").resources.custom_resources == {"mig-3g.40gb": 1}
+
+
+def test_disaggregated_model_plans_both_pools_on_one_group(tmp_path):
+    config = parse_config({"models": [
+        {"name": "llama", "source": str(folder(tmp_path, "l", LLAMA_3_8B)),
+         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8},
+         "disaggregation": {"prefill": {"replicas": 1},
+                            "decode": {"replicas": 2, "autoscaling": {"min_replicas": 1, "max_replicas": 4}}}}]})
+    spec = gpu("h100-80gb")
+    plans = plan_config(config, spec, True, PlanInputs())
+    # 1 prefill + at most 4 decode replicas, each on its own 3g.40gb slice.
+    assert [(plan.slice, plan.replicas) for plan in plans] == [("3g.40gb", 5)]
+    values = chart_values(config, plans, spec, True)
+    # Starts with 1 prefill + 2 decode pods; grows to 5.
+    assert values["workerGroups"] == {"disaggregated-3g-40gb": {
+        "migProfile": "3g.40gb", "replicas": 3, "minReplicas": 0, "maxReplicas": 5, "cpu": "8", "memory": "32Gi"}}
