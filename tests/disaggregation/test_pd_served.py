@@ -123,6 +123,19 @@ def test_headers_name_both_replicas_and_load_spreads_over_pools(pd_app):
     assert not {r.headers[HEADER_PREFILL_REPLICA] for r in responses} & {r.headers[HEADER_REPLICA] for r in responses}
 
 
+def test_prefill_pool_is_routed_cache_aware(pd_app):
+    prefill_replicas: dict[int, set[str]] = {}
+    for group in range(2):
+        prefix = " ".join(f"group {group} shared context line {i}" for i in range(40))
+        for index in range(4):
+            response = completion(pd_app, prompt=f"{prefix} question {index}", max_tokens=2)
+            assert response.status_code == 200
+            prefill_replicas.setdefault(group, set()).add(response.headers[HEADER_PREFILL_REPLICA])
+    # After a group's first request, its prefix is indexed on one prefill replica, and the prefill pool's
+    # cache-aware router (the model's default routing) keeps the rest of the group there.
+    assert [len(replicas) for replicas in prefill_replicas.values()] == [1, 1]
+
+
 @pytest.mark.parametrize("how", ["stop_string", "client_disconnect"])
 def test_early_end_frees_both_pools(pd_app, how):
     if how == "stop_string":
