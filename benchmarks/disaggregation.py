@@ -24,9 +24,10 @@ import asyncio
 import random
 from pathlib import Path
 
+from fleetserve.loadtest.client import RequestRecord
 from fleetserve.loadtest.datasets import PromptMaker, RequestSpec
 from fleetserve.loadtest.metrics import compute_metrics
-from fleetserve.loadtest.report import save_results
+from fleetserve.loadtest.report import load_results, save_results
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
 from fleetserve.platform.config import parse_config
 
@@ -73,14 +74,14 @@ def workload(num_prompts: int) -> list[RequestSpec]:
 STALL_MS = 250
 
 
-def class_metrics(result, group: int) -> dict:
+def class_metrics(records: list[RequestRecord], duration_s: float, group: int) -> dict:
     """Figures for one request class, plus the ITL tail: p99.9, the longest gap, and the share of stalls.
 
     ITL p99 alone misses prefill interference when stalls are rarer than 1 in 100 gaps (unchunked prefill
     stalls each running stream once per long prompt, for the whole prefill).
     """
-    records = [record for record, spec_group in zip(result.records, result.groups) if spec_group == group]
-    metrics = compute_metrics(records, result.metrics["duration"], [50, 99, 99.9], SLO)
+    records = [record for record in records if record.group_id == group]
+    metrics = compute_metrics(records, duration_s, [50, 99, 99.9], SLO)
     gaps = [gap * 1000 for record in records if record.ok for gap in record.itl]
     metrics["max_itl_ms"] = max(gaps, default=0.0)
     metrics["stall_share"] = sum(gap > STALL_MS for gap in gaps) / len(gaps) if gaps else 0.0
@@ -91,9 +92,22 @@ async def measure(specs: list[RequestSpec], rate: float):
     bench = BenchConfig(base_url=f"http://127.0.0.1:{PORT}", model=MODEL, request_rate=rate, seed=0,
                         ignore_eos=True, percentiles=[50, 99], goodput=SLO, num_warmups=0,
                         dataset={"name": "pd-interference", "short": "64 in / 128 out", "long": "1536 in / 16 out"})
-    result = await run_benchmark(bench, specs)
-    result.groups = [spec.group_id for spec in specs]
-    return result
+    return await run_benchmark(bench, specs)
+
+
+def saved_rows(out: Path, setups: list[str]) -> list[tuple[str, dict, dict, dict]]:
+    """The table rows from a previous run's detailed results (``--replot``)."""
+    from dataclasses import fields
+
+    rows = []
+    names = {f.name for f in fields(RequestRecord)}
+    for setup in setups:
+        run = load_results(out / f"{setup}.json")["runs"][0]
+        records = [RequestRecord(**{k: v for k, v in item.items() if k in names}) for item in run["records"]]
+        duration = run["metrics"]["duration"]
+        rows.append((setup, class_metrics(records, duration, SHORT), class_metrics(records, duration, LONG),
+                     run["metrics"]))
+    return rows
 
 
 def plot(rows: list[tuple[str, dict, dict, dict]], path: Path) -> None:
@@ -104,15 +118,16 @@ def plot(rows: list[tuple[str, dict, dict, dict]], path: Path) -> None:
 
     names = [name for name, *_ in rows]
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    panels = [("short streams: ITL (ms)", 1, "itl_ms"), ("long prompts: TTFT (ms)", 2, "ttft_ms"),
-              ("short streams: TTFT (ms)", 1, "ttft_ms")]
-    for axis, (title, index, key) in zip(axes, panels):
-        p50 = [row[index][f"median_{key}"] or 0 for row in rows]
-        p99 = [row[index][f"p99_{key}"] or 0 for row in rows]
-        xs = range(len(rows))
-        axis.bar([x - 0.2 for x in xs], p50, width=0.4, label="p50")
-        axis.bar([x + 0.2 for x in xs], p99, width=0.4, label="p99")
-        axis.set_xticks(list(xs), names, rotation=20)
+    panels = [("short streams: ITL (ms)", 1, "itl_ms", ["median", "p99", "p99.9", "max"]),
+              ("long prompts: TTFT (ms)", 2, "ttft_ms", ["median", "p99"]),
+              ("short streams: TTFT (ms)", 1, "ttft_ms", ["median", "p99"])]
+    for axis, (title, index, key, stats) in zip(axes, panels):
+        width = 0.8 / len(stats)
+        for offset, stat in enumerate(stats):
+            values = [row[index][f"{stat}_{key}"] or 0 for row in rows]
+            axis.bar([x - 0.4 + width * (offset + 0.5) for x in range(len(rows))], values, width=width,
+                     label="p50" if stat == "median" else stat)
+        axis.set_xticks(list(range(len(rows))), names, rotation=20)
         axis.set_title(title)
         axis.legend()
     fig.suptitle("Prefill-decode interference: colocated vs disaggregated (SmolLM2, 2 CPU cores)")
@@ -133,7 +148,11 @@ def main() -> None:
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated subset of the setups")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "disaggregation")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "images" / "disaggregation.png")
+    parser.add_argument("--replot", action="store_true", help="table and plot from the results in --out; no runs")
     args = parser.parse_args()
+    if args.replot:
+        report(saved_rows(args.out, args.setups.split(",")), args.plot)
+        return
     specs = workload(args.num_prompts)
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
@@ -144,7 +163,9 @@ def main() -> None:
             serve.run(build_app(parse_config({"models": [model_config(setup)]})), name="fleetserve", route_prefix="/")
             result = asyncio.run(measure(specs, args.request_rate))
             save_results(args.out / f"{setup}.json", [result], detailed=True)
-            short, long = class_metrics(result, SHORT), class_metrics(result, LONG)
+            duration = result.metrics["duration"]
+            short, long = (class_metrics(result.records, duration, SHORT),
+                           class_metrics(result.records, duration, LONG))
             rows.append((setup, short, long, result.metrics))
             print(f"  short ITL p50/p99/p99.9/max {short['median_itl_ms']:.0f}/{short['p99_itl_ms']:.0f}/"
                   f"{short['p99.9_itl_ms']:.0f}/{short['max_itl_ms']:.0f} ms, stalls {short['stall_share']:.3%}, long TTFT "
@@ -154,7 +175,11 @@ def main() -> None:
     finally:
         serve.shutdown()
         ray.shutdown()
-    plot(rows, args.plot)
+    report(rows, args.plot)
+
+
+def report(rows: list[tuple[str, dict, dict, dict]], plot_path: Path) -> None:
+    plot(rows, plot_path)
     base = rows[0]
     print(f"\n| setup | short ITL p50 / p99 / p99.9 / max ms | short ITL > {STALL_MS} ms | short TPOT p50 / p99 ms "
           "| short TTFT p50 / p99 ms | long TTFT p50 / p99 ms | output tok/s | goodput req/s "
