@@ -245,6 +245,23 @@ def plan(
 app.add_typer(router_app, name="router")
 app.add_typer(autoscale_app, name="autoscale")
 
+auth_app = typer.Typer(help="API keys for the platform config's auth section.", no_args_is_help=True)
+app.add_typer(auth_app, name="auth")
+
+
+@auth_app.command("hash-key")
+def auth_hash_key() -> None:
+    """Print the sha256 of an API key (read from stdin) for auth.api_keys; the key is never stored."""
+    import sys
+
+    from fleetserve.deployments.security import hash_key
+
+    key = sys.stdin.readline().strip() if not sys.stdin.isatty() else typer.prompt("API key", hide_input=True)
+    if not key:
+        console.print("[red]error:[/] no key given (pipe it in, or type it at the prompt)")
+        raise typer.Exit(2)
+    print(hash_key(key))
+
 bench_app = typer.Typer(help="Load-test any OpenAI-compatible endpoint (fleetserve, vLLM, ...).",
                         pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")

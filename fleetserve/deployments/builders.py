@@ -67,7 +67,9 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True) -> Applicati
         model_path = str(resolve_source(model.source)) if resolve_locally else None
         engines[model.name] = _engine_deployment(model, bindings, model_path, hub)
     routing = config.model_routing.model_dump() if config.model_routing is not None else None
-    return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models}, routing)
+    auth = config.auth.model_dump() if config.auth is not None else None
+    return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models}, routing,
+                                  auth)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -36,7 +36,8 @@ from fleetserve.deployments.protocol import (
     ResponseBuilder,
     new_id,
 )
-from fleetserve.platform.config import ModelConfig, ModelRoutingConfig
+from fleetserve.deployments.security import FrontDoor, Principal, estimated_tokens
+from fleetserve.platform.config import AuthConfig, ModelConfig, ModelRoutingConfig
 from fleetserve.platform.engine import EngineRequestError
 from fleetserve.platform.metrics import PlatformMetrics, merge_expositions
 from fleetserve.router import decisions
@@ -106,7 +107,7 @@ def as_api_error(error: BaseException) -> APIError:
 
 
 def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
+    return JSONResponse(error.body(), status_code=error.status_code, headers={**(error.headers or {}), **(headers or {})})
 
 
 def _sse(payload: dict[str, Any]) -> bytes:
@@ -114,6 +115,8 @@ def _sse(payload: dict[str, Any]) -> bytes:
 
 
 GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+# Paths anyone may call when auth is on: liveness and the API's schema.
+OPEN_PATHS = ("/health", "/openapi.json", "/docs")
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
 
@@ -128,12 +131,12 @@ class OpenAIIngress:
             the ingress's own metrics.
         models: model name -> config, for cost estimates.
         routes: routed model names (cost/quality routing); None serves models only by their names.
-        route_on: what the router reads of a chat (see ``routing_text``).
+        front_door: API keys, permissions and rate limits; None serves without keys (warned at start).
     """
 
     def __init__(self, clients: dict[str, ModelClient], pool: str = "colocated",
                  metrics_source: MetricsSource | None = None, models: dict[str, ModelConfig] | None = None,
-                 routes: RouteTable | None = None) -> None:
+                 routes: RouteTable | None = None, front_door: FrontDoor | None = None) -> None:
         self.clients = clients
         self.pool = pool
         self.created = int(time.time())
@@ -143,6 +146,20 @@ class OpenAIIngress:
         # One thread: embedding uses one torch thread, and the event loop must not wait on it.
         self._route_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-router")
         self.platform_metrics = PlatformMetrics()
+        self.front_door = front_door
+        if front_door is None:
+            logger.warning("AUTH IS OFF: this endpoint serves anyone who can reach it, with no rate limits. "
+                           "Add `auth:` to the platform config to require API keys.")
+
+    def _principal(self, request: Request) -> Principal | None:
+        """The caller (None when auth is off).
+
+        Raises:
+            APIError: 401 for a missing or unknown key.
+        """
+        if self.front_door is None:
+            return None
+        return self.front_door.authenticate(request.headers.get("authorization"))
 
     def _known(self, name: str) -> bool:
         return name in self.clients or (self.routes is not None and self.routes.is_routed(name))
@@ -169,34 +186,68 @@ class OpenAIIngress:
                 self.platform_metrics.requests.labels(route, model, str(response.status_code)).inc()
             return response
 
+        @app.middleware("http")
+        async def authenticate(request: Request, call_next):
+            # Before body validation, so a caller without a key learns nothing but that (as OpenAI does).
+            if self.front_door is not None and not request.url.path.endswith(OPEN_PATHS):
+                try:
+                    request.state.principal = self._principal(request)
+                except APIError as error:
+                    return _error_response(error)
+            return await call_next(request)
+
         @app.get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok"}
 
         @app.get("/metrics")
-        async def metrics() -> Response:
+        async def metrics(raw: Request) -> Response:
+            principal = getattr(raw.state, "principal", None)
+            if principal is not None:
+                self.front_door.require_admin(principal)
             return Response(await self.metrics_exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
         @app.get("/v1/models")
-        async def models() -> dict[str, Any]:
+        async def models(raw: Request) -> dict[str, Any]:
+            principal = getattr(raw.state, "principal", None)
             routed = self.routes.names() if self.routes is not None else []
+            listed = [(name, "fleetserve") for name in self.clients] + [(name, "fleetserve-router") for name in routed]
             return {"object": "list", "data": [
-                {"id": name, "object": "model", "created": self.created, "owned_by": "fleetserve"}
-                for name in self.clients] + [
-                {"id": name, "object": "model", "created": self.created, "owned_by": "fleetserve-router"}
-                for name in routed]}
+                {"id": name, "object": "model", "created": self.created, "owned_by": owner}
+                for name, owner in listed if principal is None or principal.may_use(name)]}
 
         @app.post("/v1/chat/completions")
         async def chat_completions(body: ChatCompletionRequest, raw: Request):
             raw.state.model = body.model if self._known(body.model) else None
+            self._admit(raw, body, "chat")
             return await self.serve_request("chat", body, raw.headers.get(HEADER_SESSION))
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, raw: Request):
             raw.state.model = body.model if self._known(body.model) else None
+            self._admit(raw, body, "completion")
             return await self.serve_request("completion", body, raw.headers.get(HEADER_SESSION))
 
         return app
+
+    def _admit(self, raw: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> None:
+        """Authenticates the caller, checks the model is theirs to use, and charges their rate limits.
+
+        Raises:
+            APIError: 401 (key), 403 (model not allowed), 429 (rate limit, with Retry-After).
+        """
+        principal = getattr(raw.state, "principal", None)
+        if principal is None:
+            return
+        if self._known(body.model):
+            self.front_door.check_model(principal, body.model)
+        else:
+            self._client(body.model)  # a 404 naming the models, as without auth
+        if kind == "chat":
+            text = "".join(str(message.get("content") or "") for message in body.rendered_messages())
+        else:
+            text = body.prompt if isinstance(body.prompt, str) else " " * 4 * len(body.prompt or [])
+        self.front_door.limiter.admit(principal.tenant, estimated_tokens(text, body.max_tokens))
 
     async def metrics_exposition(self) -> bytes:
         """The ingress's fleetserve_* metrics plus every live engine replica's vllm:* metrics."""
@@ -339,12 +390,14 @@ class IngressDeployment(OpenAIIngress):
     """Ray Serve replica of the ingress; each model is reached through its engine deployment's handle."""
 
     def __init__(self, engine_handles: dict[str, Any], metrics_hub: Any = None,
-                 models: dict[str, dict[str, Any]] | None = None, model_routing: dict[str, Any] | None = None) -> None:
+                 models: dict[str, dict[str, Any]] | None = None, model_routing: dict[str, Any] | None = None,
+                 auth: dict[str, Any] | None = None) -> None:
         source = metrics_hub.collect.remote if metrics_hub is not None else None
         configs = {name: ModelConfig.model_validate(model) for name, model in (models or {}).items()}
         routes = RouteTable(ModelRoutingConfig.model_validate(model_routing)) if model_routing else None
+        front_door = FrontDoor(AuthConfig.model_validate(auth)) if auth else None
         super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
-                         metrics_source=source, models=configs, routes=routes)
+                         metrics_source=source, models=configs, routes=routes, front_door=front_door)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.build_app()

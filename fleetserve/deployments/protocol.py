@@ -44,6 +44,8 @@ class APIError(Exception):
         self.error_type = error_type
         self.param = param
         self.code = code
+        # Extra response headers, e.g. Retry-After on 429 and 503.
+        self.headers: dict[str, str] | None = None
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.error_type, "param": self.param,

@@ -388,6 +388,49 @@ class ServerConfig(_Strict):
     port: int = Field(default=8000, gt=0, lt=65536)
 
 
+_SHA256_HEX = r"^[0-9a-f]{64}$"
+
+
+class TenantConfig(_Strict):
+    """One team or application sharing the platform."""
+
+    # Served model names and routed names this tenant may call; ["*"] allows all of them.
+    models: list[str] = Field(default_factory=lambda: ["*"])
+    # Requests per minute (token bucket, bursts up to a minute's worth); None: unlimited.
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    # Tokens per minute, charged at admission as the prompt's estimated tokens plus max_tokens; None: unlimited.
+    tokens_per_minute: float | None = Field(default=None, gt=0)
+
+
+class APIKeyConfig(_Strict):
+    """One API key, stored only as its hash."""
+
+    # sha256 of the key, hex (``fleetserve auth hash-key`` prints it); the key itself is never stored.
+    sha256: str = Field(pattern=_SHA256_HEX)
+    # The tenant this key belongs to (a key of auth.tenants).
+    tenant: str
+    # Admin keys may also read platform state beyond health (/metrics).
+    admin: bool = False
+
+
+class AuthConfig(_Strict):
+    """API keys and tenants for the OpenAI endpoint (``Authorization: Bearer <key>``)."""
+
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    api_keys: list[APIKeyConfig] = Field(default_factory=list)
+    # A mounted secret file with more keys: a YAML list of {sha256, tenant, admin}, read at start.
+    api_keys_file: str | None = None
+
+    @model_validator(mode="after")
+    def _keys_name_tenants(self) -> AuthConfig:
+        if not self.api_keys and self.api_keys_file is None:
+            raise ValueError("auth needs api_keys or api_keys_file; to serve without keys, leave auth out")
+        unknown = sorted({key.tenant for key in self.api_keys} - set(self.tenants))
+        if unknown:
+            raise ValueError(f"api_keys name tenants {unknown} that auth.tenants does not define")
+        return self
+
+
 class PlatformConfig(_Strict):
     """The whole platform: the endpoint and the models behind it."""
 
@@ -395,6 +438,22 @@ class PlatformConfig(_Strict):
     models: list[ModelConfig] = Field(min_length=1)
     # Routed model names; None serves only the models by their own names.
     model_routing: ModelRoutingConfig | None = None
+    # API keys, tenants and their limits; None serves without keys (a warning says so at start).
+    auth: AuthConfig | None = None
+
+    @model_validator(mode="after")
+    def _tenants_name_served_models(self) -> PlatformConfig:
+        if self.auth is None:
+            return self
+        names = {model.name for model in self.models}
+        if self.model_routing is not None:
+            names |= {route.name for route in self.model_routing.routes}
+        for tenant, spec in self.auth.tenants.items():
+            unknown = sorted(set(spec.models) - names - {"*"})
+            if unknown:
+                raise ValueError(f"auth.tenants.{tenant}.models: {unknown} are not served or routed names "
+                                 f"({sorted(names)})")
+        return self
 
     @model_validator(mode="after")
     def _unique_names(self) -> PlatformConfig:
@@ -497,6 +556,8 @@ def load_config(path: str | Path) -> PlatformConfig:
         # Checkpoint paths are relative to the config file, wherever Serve replicas start.
         config.model_routing.checkpoints = {kind: str((path.parent / folder).resolve())
                                             for kind, folder in config.model_routing.checkpoints.items()}
+    if config.auth is not None and config.auth.api_keys_file is not None:
+        config.auth.api_keys_file = str((path.parent / config.auth.api_keys_file).resolve())
     return config
 
 

@@ -34,7 +34,7 @@ def find(objects: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     return matches[0]
 
 
-ALL_ON = {"workerGroups": {"colocated-3g-40gb": MIG_GROUP}, "apiKeys": {"keys": ["sk-test-0123456789abcdef"]},
+ALL_ON = {"workerGroups": {"colocated-3g-40gb": MIG_GROUP}, "apiKeys": {"keys": [{"sha256": "a" * 64, "tenant": "team-a"}]},
           "monitoring": {"serviceMonitor": {"enabled": True}, "grafanaDashboard": {"enabled": True}}}
 
 
@@ -175,7 +175,9 @@ def test_optional_objects_appear_only_when_enabled():
                                                 "ConfigMap", "Secret"}
     dashboard = find(objects, "ConfigMap")
     assert json.loads(dashboard["data"]["fleetserve.json"])["title"]
-    assert find(objects, "Secret")["stringData"]["api-keys"].split() == ["sk-test-0123456789abcdef"]
+    # Hashes only, in the list format of platform.auth.api_keys_file.
+    assert yaml.safe_load(find(objects, "Secret")["stringData"]["api-keys.yaml"]) == [
+        {"sha256": "a" * 64, "tenant": "team-a"}]
     assert "PodDisruptionBudget" not in {o["kind"] for o in render({"podDisruptionBudget": {"enabled": False}})}
 
 

@@ -1,0 +1,198 @@
+"""The front door: API keys to tenants, model permissions, and per-tenant rate limits.
+
+Plain classes (no Ray); the ingress calls them before any engine work. Keys are compared by their
+sha256 only, so neither the config nor the logs ever hold a key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from fleetserve.deployments.protocol import APIError
+from fleetserve.platform.config import APIKeyConfig, AuthConfig, ConfigError, TenantConfig
+
+SECONDS_PER_MINUTE = 60.0
+
+
+def hash_key(key: str) -> str:
+    """The sha256 hex digest a key is stored as."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling, once their key checked out."""
+
+    tenant: str
+    # May read platform state beyond health (/metrics).
+    admin: bool
+    # Names the tenant may call; None: every served and routed name.
+    models: frozenset[str] | None
+
+    def may_use(self, name: str) -> bool:
+        return self.models is None or name in self.models
+
+
+def _unauthorized(message: str) -> APIError:
+    return APIError(message, 401, "invalid_request_error", code="invalid_api_key")
+
+
+def load_keys_file(path: str | Path) -> list[APIKeyConfig]:
+    """Keys from a mounted secret file: a YAML list of {sha256, tenant, admin}.
+
+    Raises:
+        ConfigError: the file is unreadable or an entry is invalid.
+    """
+    try:
+        entries = yaml.safe_load(Path(path).read_text()) or []
+    except (OSError, yaml.YAMLError) as error:
+        raise ConfigError(f"auth.api_keys_file {path}: {error}") from None
+    if not isinstance(entries, list):
+        raise ConfigError(f"auth.api_keys_file {path}: expected a list of {{sha256, tenant, admin}}")
+    try:
+        return [APIKeyConfig.model_validate(entry) for entry in entries]
+    except ValueError as error:
+        raise ConfigError(f"auth.api_keys_file {path}: {error}") from None
+
+
+class KeyStore:
+    """Maps bearer tokens to principals.
+
+    Raises:
+        ConfigError: a key in the secret file names an undefined tenant.
+    """
+
+    def __init__(self, auth: AuthConfig) -> None:
+        keys = list(auth.api_keys) + (load_keys_file(auth.api_keys_file) if auth.api_keys_file else [])
+        unknown = sorted({key.tenant for key in keys} - set(auth.tenants))
+        if unknown:
+            raise ConfigError(f"auth.api_keys_file names tenants {unknown} that auth.tenants does not define")
+        self.tenants: dict[str, TenantConfig] = dict(auth.tenants)
+        self._keys = {key.sha256: key for key in keys}
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """The principal behind an ``Authorization: Bearer <key>`` header.
+
+        Raises:
+            APIError: 401 for a missing, malformed or unknown key.
+        """
+        if not authorization:
+            raise _unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+        scheme, _, token = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _unauthorized("Malformed Authorization header; expected 'Bearer <key>'.")
+        digest = hash_key(token.strip())
+        # Constant-time comparison against each stored hash, so timing tells nothing about near misses.
+        match = next((key for stored, key in self._keys.items() if hmac.compare_digest(stored, digest)), None)
+        if match is None:
+            raise _unauthorized("Incorrect API key provided.")
+        models = self.tenants[match.tenant].models
+        return Principal(match.tenant, match.admin, None if "*" in models else frozenset(models))
+
+
+class TokenBucket:
+    """A bucket of ``capacity`` that refills at ``rate_per_s``; a take that does not fit takes nothing."""
+
+    def __init__(self, capacity: float, rate_per_s: float, now: float) -> None:
+        self.capacity = capacity
+        self.rate_per_s = rate_per_s
+        self.level = capacity
+        self.updated = now
+
+    def _refill(self, now: float) -> None:
+        self.level = min(self.capacity, self.level + (now - self.updated) * self.rate_per_s)
+        self.updated = now
+
+    def wait_for(self, amount: float, now: float) -> float:
+        """Seconds until ``amount`` fits (0 when it fits now); inf when it never can."""
+        self._refill(now)
+        if amount > self.capacity:
+            return math.inf
+        return max(0.0, (amount - self.level) / self.rate_per_s)
+
+    def take(self, amount: float) -> None:
+        self.level -= amount
+
+
+class RateLimiter:
+    """Per-tenant request and token budgets per minute (token buckets holding a minute's worth)."""
+
+    def __init__(self, tenants: dict[str, TenantConfig], clock=time.monotonic) -> None:
+        self.tenants = tenants
+        self.clock = clock
+        self._buckets: dict[tuple[str, str], TokenBucket] = {}
+
+    def _bucket(self, tenant: str, kind: str, per_minute: float) -> TokenBucket:
+        key = (tenant, kind)
+        if key not in self._buckets:
+            self._buckets[key] = TokenBucket(per_minute, per_minute / SECONDS_PER_MINUTE, self.clock())
+        return self._buckets[key]
+
+    def admit(self, tenant: str, num_tokens: int) -> None:
+        """Charges one request and ``num_tokens`` to the tenant, or charges nothing and raises.
+
+        Raises:
+            APIError: 429 with a ``Retry-After`` header when either budget is short.
+        """
+        spec = self.tenants.get(tenant)
+        if spec is None:
+            return
+        now = self.clock()
+        charges = [(self._bucket(tenant, kind, limit), amount, kind) for kind, limit, amount in (
+            ("requests", spec.requests_per_minute, 1), ("tokens", spec.tokens_per_minute, num_tokens))
+            if limit is not None]
+        for bucket, amount, kind in charges:
+            wait = bucket.wait_for(amount, now)
+            if math.isinf(wait):
+                raise APIError(f"This request needs {amount} tokens, more than tenant {tenant!r}'s "
+                               f"{bucket.capacity:g} tokens per minute; lower max_tokens or the prompt.",
+                               429, "rate_limit_error", code="rate_limit_exceeded")
+            if wait > 0:
+                error = APIError(f"Rate limit reached for tenant {tenant!r} on {kind} per minute "
+                                 f"(limit {bucket.capacity:g}). Retry after {math.ceil(wait)} s.",
+                                 429, "rate_limit_error", code="rate_limit_exceeded")
+                error.headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+                raise error
+        for bucket, amount, _ in charges:
+            bucket.take(amount)
+
+
+def estimated_tokens(prompt_text: str, max_tokens: int | None, default_max_tokens: int = 256) -> int:
+    """What a request is charged at admission: ~4 characters per prompt token, plus its output budget."""
+    return math.ceil(len(prompt_text) / 4) + (max_tokens if max_tokens is not None else default_max_tokens)
+
+
+class FrontDoor:
+    """Authentication, permissions and rate limits for one ingress.
+
+    Args:
+        auth: the platform's auth config.
+        clock: monotonic seconds (tests pass a fake clock).
+    """
+
+    def __init__(self, auth: AuthConfig, clock=time.monotonic) -> None:
+        self.keys = KeyStore(auth)
+        self.limiter = RateLimiter(self.keys.tenants, clock)
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        return self.keys.authenticate(authorization)
+
+    @staticmethod
+    def require_admin(principal: Principal) -> None:
+        """Raises a 403 unless the key is an admin key."""
+        if not principal.admin:
+            raise APIError("This endpoint needs an admin key.", 403, "permission_error", code="admin_required")
+
+    @staticmethod
+    def check_model(principal: Principal, name: str) -> None:
+        """Raises a 403 when the tenant may not call ``name``."""
+        if not principal.may_use(name):
+            raise APIError(f"Tenant {principal.tenant!r} may not use the model `{name}`.", 403,
+                           "permission_error", param="model", code="model_not_allowed")

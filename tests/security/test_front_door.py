@@ -1,0 +1,152 @@
+"""API keys, tenants, model permissions and rate limits, through the official openai client.
+
+The ingress runs on a loopback port with an injected fake engine (no Ray): what is under test is the
+front door, which runs before any engine work.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import httpx
+import openai
+import pytest
+
+from fleetserve.deployments.engine_server import EngineServer
+from fleetserve.deployments.ingress import LocalModelClient, OpenAIIngress
+from fleetserve.deployments.security import FrontDoor, RateLimiter, TokenBucket, hash_key
+from fleetserve.platform.config import AuthConfig, ConfigError, ModelConfig, TenantConfig, parse_config
+
+KEYS = {"alpha": "sk-alpha-0001", "beta": "sk-beta-0002", "ops": "sk-ops-0003"}
+
+
+def auth_config(**tenants) -> AuthConfig:
+    tenants = tenants or {
+        "alpha": {"models": ["small"], "requests_per_minute": 3},
+        "beta": {"models": ["*"]},
+        "ops": {},
+    }
+    return AuthConfig.model_validate({
+        "tenants": tenants,
+        "api_keys": [{"sha256": hash_key(KEYS[name]), "tenant": name, "admin": name == "ops"} for name in tenants]})
+
+
+@pytest.fixture
+def endpoint(fake_engine_cls, loopback_server):
+    servers = {name: EngineServer(ModelConfig(name=name, source="unused"), engine_cls=fake_engine_cls,
+                                  model_path="/unused") for name in ("small", "large")}
+    ingress = OpenAIIngress({name: LocalModelClient(server) for name, server in servers.items()},
+                            front_door=FrontDoor(auth_config()))
+    with loopback_server(ingress.build_app()) as server:
+        yield server.url
+
+
+def client(endpoint: str, tenant: str | None) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{endpoint}/v1", api_key=KEYS.get(tenant, "sk-not-a-key"), max_retries=0)
+
+
+def complete(endpoint: str, tenant: str | None, model: str = "small"):
+    return client(endpoint, tenant).completions.create(model=model, prompt="a b c", max_tokens=2)
+
+
+def test_missing_or_unknown_key_is_401(endpoint):
+    with pytest.raises(openai.AuthenticationError) as raised:
+        complete(endpoint, "nobody")
+    assert raised.value.code == "invalid_api_key" and "Incorrect API key" in raised.value.message
+    missing = httpx.post(f"{endpoint}/v1/completions", json={"model": "small", "prompt": "x"})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    # Checked before the body: a keyless caller with a bad body still learns only that it needs a key.
+    assert httpx.post(f"{endpoint}/v1/completions", json={"bad": 1}).status_code == 401
+    assert httpx.get(f"{endpoint}/health").status_code == 200
+
+
+def test_tenant_sees_and_uses_only_its_models(endpoint):
+    assert complete(endpoint, "alpha").choices[0].text == "w0 w1"
+    with pytest.raises(openai.PermissionDeniedError) as raised:
+        complete(endpoint, "alpha", model="large")
+    assert raised.value.code == "model_not_allowed"
+    assert [model.id for model in client(endpoint, "alpha").models.list()] == ["small"]
+    assert [model.id for model in client(endpoint, "beta").models.list()] == ["small", "large"]
+    with pytest.raises(openai.NotFoundError):
+        complete(endpoint, "beta", model="absent")
+
+
+def test_metrics_need_an_admin_key(endpoint):
+    assert httpx.get(f"{endpoint}/metrics").status_code == 401
+    headers = {"Authorization": f"Bearer {KEYS['beta']}"}
+    denied = httpx.get(f"{endpoint}/metrics", headers=headers)
+    assert denied.status_code == 403 and denied.json()["error"]["code"] == "admin_required"
+    allowed = httpx.get(f"{endpoint}/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"})
+    assert allowed.status_code == 200 and "fleetserve_requests_total" in allowed.text
+
+
+def test_one_tenants_burst_is_limited_while_another_keeps_going(endpoint):
+    # alpha may send 3 requests per minute: the 4th within the minute is refused with Retry-After.
+    for _ in range(3):
+        complete(endpoint, "alpha")
+    with pytest.raises(openai.RateLimitError) as raised:
+        complete(endpoint, "alpha")
+    response = raised.value.response
+    assert raised.value.code == "rate_limit_exceeded"
+    # The bucket refills at 3/60 per second: one request needs 20 s.
+    assert 19 <= int(response.headers["retry-after"]) <= 20
+    assert [complete(endpoint, "beta").choices[0].text for _ in range(5)] == ["w0 w1"] * 5
+
+
+def test_token_bucket_arithmetic():
+    bucket = TokenBucket(capacity=60, rate_per_s=1.0, now=0.0)
+    assert bucket.wait_for(60, now=0.0) == 0.0
+    bucket.take(60)
+    # Empty at t=0; at t=10 it holds 10, so 25 more needs 15 s.
+    assert bucket.wait_for(25, now=10.0) == 15.0
+    assert bucket.wait_for(61, now=10.0) == float("inf")
+
+
+def test_tokens_per_minute_charge_prompt_and_budget_and_refuse_nothing_twice():
+    now = [0.0]
+    limiter = RateLimiter({"t": TenantConfig(tokens_per_minute=120)}, clock=lambda: now[0])
+    limiter.admit("t", 100)
+    with pytest.raises(Exception) as raised:
+        limiter.admit("t", 30)
+    # 20 left; 30 needs 10 more at 2 tokens/s: 5 s.
+    assert raised.value.status_code == 429 and raised.value.headers == {"Retry-After": "5"}
+    now[0] = 5.0
+    limiter.admit("t", 30)  # a refused request charged nothing, so this one fits exactly
+    with pytest.raises(Exception, match="more than tenant 't'"):
+        limiter.admit("t", 500)
+
+
+def test_config_errors_and_keys_file(tmp_path):
+    with pytest.raises(ConfigError, match="auth needs api_keys or api_keys_file"):
+        parse_config({"models": [{"name": "m", "source": "x"}], "auth": {"tenants": {"a": {}}}})
+    with pytest.raises(ConfigError, match=r"auth.tenants.a.models: \['other'\] are not served or routed names"):
+        parse_config({"models": [{"name": "m", "source": "x"}], "auth": {
+            "tenants": {"a": {"models": ["other"]}}, "api_keys": [{"sha256": "0" * 64, "tenant": "a"}]}})
+    with pytest.raises(ConfigError, match="api_keys name tenants \\['ghost'\\]"):
+        parse_config({"models": [{"name": "m", "source": "x"}], "auth": {
+            "tenants": {}, "api_keys": [{"sha256": "0" * 64, "tenant": "ghost"}]}})
+    with pytest.raises(ConfigError, match="sha256"):
+        parse_config({"models": [{"name": "m", "source": "x"}], "auth": {
+            "tenants": {"a": {}}, "api_keys": [{"sha256": "sk-plain-key", "tenant": "a"}]}})
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"- {{sha256: {hash_key('sk-file')}, tenant: a}}\n")
+    door = FrontDoor(AuthConfig.model_validate({"tenants": {"a": {}}, "api_keys_file": str(keys)}))
+    assert door.authenticate("Bearer sk-file").tenant == "a"
+    keys.write_text(f"- {{sha256: {hash_key('sk-file')}, tenant: b}}\n")
+    with pytest.raises(ConfigError, match="names tenants \\['b'\\]"):
+        FrontDoor(AuthConfig.model_validate({"tenants": {"a": {}}, "api_keys_file": str(keys)}))
+
+
+def test_auth_off_is_loud(fake_engine_cls, caplog):
+    with caplog.at_level(logging.WARNING):
+        OpenAIIngress({})
+    assert "AUTH IS OFF" in caplog.text
+
+
+def test_cli_hashes_a_key_from_stdin():
+    from typer.testing import CliRunner
+
+    from fleetserve.cli import app
+
+    result = CliRunner().invoke(app, ["auth", "hash-key"], input="sk-alpha-0001\n")
+    assert result.exit_code == 0 and result.stdout.strip() == hash_key("sk-alpha-0001")
