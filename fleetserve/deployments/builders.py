@@ -69,7 +69,7 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True) -> Applicati
     routing = config.model_routing.model_dump() if config.model_routing is not None else None
     auth = config.auth.model_dump() if config.auth is not None else None
     return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models}, routing,
-                                  auth)
+                                  auth, config.limits.model_dump())
 
 
 def app_builder(args: dict[str, Any]) -> Application:

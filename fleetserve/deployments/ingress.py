@@ -37,7 +37,7 @@ from fleetserve.deployments.protocol import (
     new_id,
 )
 from fleetserve.deployments.security import FrontDoor, Principal, estimated_tokens
-from fleetserve.platform.config import AuthConfig, ModelConfig, ModelRoutingConfig
+from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig
 from fleetserve.platform.engine import EngineRequestError
 from fleetserve.platform.metrics import PlatformMetrics, merge_expositions
 from fleetserve.router import decisions
@@ -93,6 +93,8 @@ class HandleModelClient:
 
 def as_api_error(error: BaseException) -> APIError:
     """Maps an exception from an engine (possibly wrapped by Ray) to the API error to return."""
+    if isinstance(error, APIError):
+        return error
     cause = getattr(error, "cause", None) or error
     if isinstance(error, EngineRequestError):
         cause = error
@@ -132,11 +134,13 @@ class OpenAIIngress:
         models: model name -> config, for cost estimates.
         routes: routed model names (cost/quality routing); None serves models only by their names.
         front_door: API keys, permissions and rate limits; None serves without keys (warned at start).
+        limits: request limits and overload protection.
     """
 
     def __init__(self, clients: dict[str, ModelClient], pool: str = "colocated",
                  metrics_source: MetricsSource | None = None, models: dict[str, ModelConfig] | None = None,
-                 routes: RouteTable | None = None, front_door: FrontDoor | None = None) -> None:
+                 routes: RouteTable | None = None, front_door: FrontDoor | None = None,
+                 limits: LimitsConfig | None = None) -> None:
         self.clients = clients
         self.pool = pool
         self.created = int(time.time())
@@ -147,6 +151,9 @@ class OpenAIIngress:
         self._route_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-router")
         self.platform_metrics = PlatformMetrics()
         self.front_door = front_door
+        self.limits = limits or LimitsConfig()
+        # Requests admitted and not yet finished, per served model (admission control).
+        self.in_flight: dict[str, int] = {name: 0 for name in clients}
         if front_door is None:
             logger.warning("AUTH IS OFF: this endpoint serves anyone who can reach it, with no rate limits. "
                            "Add `auth:` to the platform config to require API keys.")
@@ -185,6 +192,15 @@ class OpenAIIngress:
                 model = getattr(request.state, "model", None) or "unknown"
                 self.platform_metrics.requests.labels(route, model, str(response.status_code)).inc()
             return response
+
+        @app.middleware("http")
+        async def limit_body(request: Request, call_next):
+            length = request.headers.get("content-length")
+            if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
+                return _error_response(APIError(
+                    f"request body is {int(length)} bytes; the limit is {self.limits.max_body_bytes}", 400,
+                    code="request_too_large"))
+            return await call_next(request)
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next):
@@ -230,12 +246,37 @@ class OpenAIIngress:
 
         return app
 
-    def _admit(self, raw: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> None:
-        """Authenticates the caller, checks the model is theirs to use, and charges their rate limits.
+    def _check_limits(self, body: ChatCompletionRequest | CompletionRequest, kind: str) -> str:
+        """Checks the request against the configured limits; returns its prompt text (for token estimates).
 
         Raises:
-            APIError: 401 (key), 403 (model not allowed), 429 (rate limit, with Retry-After).
+            APIError: 400 naming the limit.
         """
+        limits = self.limits
+        if kind == "chat" and len(body.messages) > limits.max_messages:
+            raise APIError(f"{len(body.messages)} messages; the limit is {limits.max_messages}", 400,
+                           param="messages", code="too_many_messages")
+        if limits.max_tokens is not None and body.max_tokens is not None and body.max_tokens > limits.max_tokens:
+            raise APIError(f"max_tokens is {body.max_tokens}; the limit is {limits.max_tokens}", 400,
+                           param="max_tokens", code="max_tokens_too_large")
+        if kind == "chat":
+            text = "".join(str(message.get("content") or "") for message in body.rendered_messages())
+        else:
+            # Token ids count as 4 characters each, like the token estimate below.
+            text = body.prompt if isinstance(body.prompt, str) else " " * 4 * len(body.prompt or [])
+        if len(text) > limits.max_prompt_chars:
+            raise APIError(f"the prompt has {len(text)} characters; the limit is {limits.max_prompt_chars}", 400,
+                           param="messages" if kind == "chat" else "prompt", code="prompt_too_long")
+        return text
+
+    def _admit(self, raw: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> None:
+        """Checks request limits, then (with auth on) that the model is the caller's to use, and charges
+        the caller's rate limits.
+
+        Raises:
+            APIError: 400 (a limit), 403 (model not allowed), 429 (rate limit, with Retry-After).
+        """
+        text = self._check_limits(body, kind)
         principal = getattr(raw.state, "principal", None)
         if principal is None:
             return
@@ -243,11 +284,34 @@ class OpenAIIngress:
             self.front_door.check_model(principal, body.model)
         else:
             self._client(body.model)  # a 404 naming the models, as without auth
-        if kind == "chat":
-            text = "".join(str(message.get("content") or "") for message in body.rendered_messages())
-        else:
-            text = body.prompt if isinstance(body.prompt, str) else " " * 4 * len(body.prompt or [])
         self.front_door.limiter.admit(principal.tenant, estimated_tokens(text, body.max_tokens))
+
+    def _admission_bound(self, model: str) -> int | None:
+        per_replica = self.limits.max_in_flight_per_replica
+        config = self.models.get(model)
+        if per_replica is None:
+            return None
+        return per_replica * (config.max_serving_replicas if config is not None else 1)
+
+    async def _guarded(self, model: str, stream: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:
+        """Counts the request as in flight while it runs, and aborts it when it stops making progress."""
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        timeout = self.limits.progress_timeout_s
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        chunk = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    logger.warning("request on %s made no progress for %gs; aborted", model, timeout)
+                    raise APIError(f"the request made no progress for {timeout:g} s and was aborted", 504,
+                                   "timeout_error", code="no_progress") from None
+                yield chunk
+        finally:
+            self.in_flight[model] -= 1
+            await stream.aclose()
 
     async def metrics_exposition(self) -> bytes:
         """The ingress's fleetserve_* metrics plus every live engine replica's vllm:* metrics."""
@@ -325,7 +389,13 @@ class OpenAIIngress:
             request_id=request_id, options=options,
             messages=body.rendered_messages() if kind == "chat" else None,
             prompt=body.prompt if kind == "completion" else None, session_id=session_id or body.user)
-        stream = client.generate(engine_request)
+        bound = self._admission_bound(model)
+        if bound is not None and self.in_flight.get(model, 0) >= bound:
+            error = APIError(f"`{model}` is at capacity ({bound} requests in flight); retry shortly", 503,
+                             "service_unavailable", code="overloaded")
+            error.headers = {"Retry-After": "1"}
+            raise error
+        stream = self._guarded(model, client.generate(engine_request))
         try:
             first = await anext(stream)
         except StopAsyncIteration:
@@ -391,13 +461,14 @@ class IngressDeployment(OpenAIIngress):
 
     def __init__(self, engine_handles: dict[str, Any], metrics_hub: Any = None,
                  models: dict[str, dict[str, Any]] | None = None, model_routing: dict[str, Any] | None = None,
-                 auth: dict[str, Any] | None = None) -> None:
+                 auth: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> None:
         source = metrics_hub.collect.remote if metrics_hub is not None else None
         configs = {name: ModelConfig.model_validate(model) for name, model in (models or {}).items()}
         routes = RouteTable(ModelRoutingConfig.model_validate(model_routing)) if model_routing else None
         front_door = FrontDoor(AuthConfig.model_validate(auth)) if auth else None
         super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
-                         metrics_source=source, models=configs, routes=routes, front_door=front_door)
+                         metrics_source=source, models=configs, routes=routes, front_door=front_door,
+                         limits=LimitsConfig.model_validate(limits) if limits else None)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.build_app()

@@ -267,6 +267,12 @@ class ModelConfig(_Strict):
         return self
 
     @property
+    def max_serving_replicas(self) -> int:
+        """Most replicas that answer the ingress (colocated, or the decode pool): the autoscaling maximum."""
+        serving = self.pool_model("decode") if self.disaggregation is not None else self
+        return serving.autoscaling.max_replicas if serving.autoscaling is not None else serving.replicas
+
+    @property
     def pool(self) -> str:
         """colocated, or the phase (prefill, decode) of a pool config from ``pool_model``."""
         return self._pool
@@ -391,6 +397,25 @@ class ServerConfig(_Strict):
 _SHA256_HEX = r"^[0-9a-f]{64}$"
 
 
+class LimitsConfig(_Strict):
+    """Request limits and overload protection, enforced by the ingress before any engine work."""
+
+    # Largest request body in bytes (by Content-Length); larger requests get a 400.
+    max_body_bytes: int = Field(default=4 * MiB, gt=0)
+    # Most messages in one chat request.
+    max_messages: int = Field(default=512, gt=0)
+    # Largest max_tokens a request may ask for; None leaves it to each model's context length.
+    max_tokens: int | None = Field(default=None, gt=0)
+    # Longest prompt in characters (a chat's message contents together), checked before tokenizing.
+    max_prompt_chars: int = Field(default=1_000_000, gt=0)
+    # Requests admitted per replica of a model (running, queued in the engine or in front of it); beyond
+    # it, new requests get 503 with Retry-After at once instead of queueing without bound. None: unbounded.
+    max_in_flight_per_replica: int | None = Field(default=1024, gt=0)
+    # Seconds a request may go without a new token (the first included) before it is aborted in the engine
+    # and reported to the client; None: no limit.
+    progress_timeout_s: float | None = Field(default=300.0, gt=0)
+
+
 class TenantConfig(_Strict):
     """One team or application sharing the platform."""
 
@@ -440,6 +465,7 @@ class PlatformConfig(_Strict):
     model_routing: ModelRoutingConfig | None = None
     # API keys, tenants and their limits; None serves without keys (a warning says so at start).
     auth: AuthConfig | None = None
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
 
     @model_validator(mode="after")
     def _tenants_name_served_models(self) -> PlatformConfig:
