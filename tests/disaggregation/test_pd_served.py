@@ -39,7 +39,22 @@ def pd_app(served) -> Served:
         "disaggregation": {"prefill": pool, "decode": pool, "max_prefill_attempts": 3, "prefill_timeout_s": 30}}]})
     serve.run(build_app(config), name="pd", route_prefix="/pd")
     yield Served(base_url=f"{served.base_url}/pd", config=config, handles={})
+    # The kill tests leave Serve starting replacements; deleting mid-start would leave their engines
+    # loading in the background, skewing later timing-sensitive tests. Let them come up, then delete.
+    wait_until_healthy("pd")
     serve.delete("pd")
+
+
+def wait_until_healthy(app: str, timeout_s: float = 240.0) -> None:
+    from ray import serve
+    from ray.serve.schema import DeploymentStatus
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        status = serve.status().applications.get(app)
+        if status is not None and all(d.status == DeploymentStatus.HEALTHY for d in status.deployments.values()):
+            return
+        time.sleep(1.0)
 
 
 def engine_gauges(app: Served) -> dict[tuple[str, str], dict[str, float]]:
