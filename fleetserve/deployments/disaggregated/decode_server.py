@@ -118,8 +118,6 @@ class DecodeServer(EngineServer):
                 if error.status_code < 500:
                     raise
                 errors.append(error.message)
-            except (asyncio.CancelledError, GeneratorExit):
-                raise
             except TimeoutError:
                 errors.append(f"no answer within prefill_timeout_s={self.settings.prefill_timeout_s:g}")
             except Exception as error:  # noqa: BLE001 - a dead or failing prefill replica: try another
