@@ -160,7 +160,8 @@ class ServeReplica:
     async def _publish(self) -> None:
         while self.engine is not None:
             try:
-                await self._hub.push.remote(self.replica_id, self.model.name, self.pool, self.metrics.exposition())
+                await self._hub.push.remote(self.replica_id, self.model.name, self.pool, self.metrics.exposition(),
+                                            self.engine.stats())
             except Exception:  # noqa: BLE001 - the hub restarting must not take the engine down
                 logger.warning("metrics push failed; retrying", exc_info=True)
             await asyncio.sleep(PUBLISH_PERIOD_S)

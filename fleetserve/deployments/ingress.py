@@ -14,11 +14,13 @@ from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal, Protocol
 
+import anyio
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from fleetserve.deployments.admission import AdmissionController, ReplicaLoad
 from fleetserve.deployments.engine_server import EngineChunk, EngineRequest, EngineServer
 from fleetserve.deployments.protocol import (
     HEADER_MODEL,
@@ -112,6 +114,32 @@ def _error_response(error: APIError, headers: dict[str, str] | None = None) -> J
     return JSONResponse(error.body(), status_code=error.status_code, headers={**(error.headers or {}), **(headers or {})})
 
 
+class EventStreamResponse(StreamingResponse):
+    """A server-sent-events response that always ends its body iterator, and so the engine request,
+    when the stream stops for any reason.
+
+    Starlette, under ASGI 2.4 servers, stops listening for the client's disconnect and leaves the body
+    iterator unclosed when ``send`` fails; middleware can abandon it too. An unclosed iterator keeps its
+    engine request running and its admission slot taken until garbage collection, if ever.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as task_group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client is gone
+                        pass
+                    task_group.cancel_scope.cancel()
+
+                task_group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                task_group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
 def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
@@ -121,6 +149,10 @@ GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
 OPEN_PATHS = ("/health", "/openapi.json", "/docs")
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
+# Engines' latest stats per model, for admission control.
+LoadSource = Callable[[], Awaitable[dict[str, list[ReplicaLoad]]]]
+# Seconds between admission control's reads of the engines' stats.
+LOAD_REFRESH_S = 0.5
 
 
 class OpenAIIngress:
@@ -135,12 +167,14 @@ class OpenAIIngress:
         routes: routed model names (cost/quality routing); None serves models only by their names.
         front_door: API keys, permissions and rate limits; None serves without keys (warned at start).
         limits: request limits and overload protection.
+        load_source: returns the engines' latest stats per model, for admission control; None bounds
+            admission by max_in_flight_per_replica alone.
     """
 
     def __init__(self, clients: dict[str, ModelClient], pool: str = "colocated",
                  metrics_source: MetricsSource | None = None, models: dict[str, ModelConfig] | None = None,
                  routes: RouteTable | None = None, front_door: FrontDoor | None = None,
-                 limits: LimitsConfig | None = None) -> None:
+                 limits: LimitsConfig | None = None, load_source: LoadSource | None = None) -> None:
         self.clients = clients
         self.pool = pool
         self.created = int(time.time())
@@ -154,6 +188,11 @@ class OpenAIIngress:
         self.limits = limits or LimitsConfig()
         # Requests admitted and not yet finished, per served model (admission control).
         self.in_flight: dict[str, int] = {name: 0 for name in clients}
+        # Of those, the requests still waiting for their first token (queued or being prefilled).
+        self.unstarted: dict[str, int] = {name: 0 for name in clients}
+        self.admission = {name: AdmissionController(self.models.get(name), self.limits) for name in clients}
+        self.load_source = load_source
+        self._load_refresher: asyncio.Task | None = None
         if front_door is None:
             logger.warning("AUTH IS OFF: this endpoint serves anyone who can reach it, with no rate limits. "
                            "Add `auth:` to the platform config to require API keys.")
@@ -286,16 +325,38 @@ class OpenAIIngress:
             self._client(body.model)  # a 404 naming the models, as without auth
         self.front_door.limiter.admit(principal.tenant, estimated_tokens(text, body.max_tokens))
 
-    def _admission_bound(self, model: str) -> int | None:
-        per_replica = self.limits.max_in_flight_per_replica
-        config = self.models.get(model)
-        if per_replica is None:
-            return None
-        return per_replica * (config.max_serving_replicas if config is not None else 1)
+    async def _refresh_loads(self) -> None:
+        """Feeds the engines' stats to admission control, every LOAD_REFRESH_S, for the ingress's life."""
+        while True:
+            try:
+                loads = await self.load_source()
+                for name, controller in self.admission.items():
+                    controller.observe(loads.get(name, []))
+            except Exception:  # noqa: BLE001 - stale stats only loosen admission to its hard bound
+                logger.warning("reading engine load for admission control failed; retrying", exc_info=True)
+            await asyncio.sleep(LOAD_REFRESH_S)
+
+    def _admit_to_engines(self, model: str) -> None:
+        """Admission control for one request to ``model``.
+
+        Raises:
+            APIError: 503 ``overloaded`` with Retry-After.
+        """
+        if self.load_source is not None and self._load_refresher is None:
+            self._load_refresher = asyncio.get_running_loop().create_task(self._refresh_loads())
+        controller = self.admission[model]
+        decision = controller.decide(self.in_flight[model], self.unstarted[model])
+        if not decision.admitted:
+            self.platform_metrics.rejections.labels(
+                model, "queue" if decision.queue_allowance is not None else "in_flight").inc()
+            raise controller.refusal(model, decision)
+        if decision.queue_allowance is not None:
+            self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)
 
     async def _guarded(self, model: str, stream: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:
         """Counts the request as in flight while it runs, and aborts it when it stops making progress."""
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
         timeout = self.limits.progress_timeout_s
         try:
             while True:
@@ -311,6 +372,7 @@ class OpenAIIngress:
                 yield chunk
         finally:
             self.in_flight[model] -= 1
+            self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
             await stream.aclose()
 
     async def metrics_exposition(self) -> bytes:
@@ -389,19 +451,8 @@ class OpenAIIngress:
             request_id=request_id, options=options,
             messages=body.rendered_messages() if kind == "chat" else None,
             prompt=body.prompt if kind == "completion" else None, session_id=session_id or body.user)
-        bound = self._admission_bound(model)
-        if bound is not None and self.in_flight.get(model, 0) >= bound:
-            error = APIError(f"`{model}` is at capacity ({bound} requests in flight); retry shortly", 503,
-                             "service_unavailable", code="overloaded")
-            error.headers = {"Retry-After": "1"}
-            raise error
-        stream = self._guarded(model, client.generate(engine_request))
-        try:
-            first = await anext(stream)
-        except StopAsyncIteration:
-            raise APIError("the engine returned no output", 500, "internal_error") from None
-        except Exception as error:  # noqa: BLE001 - every engine failure becomes an API error
-            raise as_api_error(error) from None
+        self._admit_to_engines(model)
+        stream, first = await self._start(model, client, engine_request)
         headers = {HEADER_MODEL: model, HEADER_REPLICA: first.replica_id, HEADER_POOL: self._pool_of(model),
                    HEADER_REQUEST_ID: request_id}
         if first.prefill_replica_id is not None:
@@ -418,7 +469,7 @@ class OpenAIIngress:
             self.platform_metrics.queue_time.labels(model).observe(max(0.0, first.started_at - received_at))
         builder = ResponseBuilder(kind, model, request_id)
         if body.stream:
-            return StreamingResponse(self._sse_stream(builder, first, stream, body.include_usage, choice),
+            return EventStreamResponse(self._sse_stream(builder, first, stream, body.include_usage, choice),
                                      media_type="text/event-stream", headers=headers)
         deltas = [first.delta]
         try:
@@ -429,6 +480,34 @@ class OpenAIIngress:
         response = builder.full(deltas)
         self._account(model, builder.usage.prompt_tokens, builder.usage.completion_tokens, choice)
         return JSONResponse(response, headers=headers)
+
+    async def _start(self, model: str, client: ModelClient,
+                     request: EngineRequest) -> tuple[AsyncIterator[EngineChunk], EngineChunk]:
+        """Sends the request to an engine and waits for its first chunk, sending it again (Serve picks a
+        live replica) when the replica fails before streaming anything.
+
+        Raises:
+            APIError: the engine's error, or 503 once the retries are spent.
+        """
+        num_retries = 0
+        self.unstarted[model] += 1
+        try:
+            while True:
+                stream = self._guarded(model, client.generate(request))
+                try:
+                    return stream, await anext(stream)
+                except StopAsyncIteration:
+                    raise APIError("the engine returned no output", 500, "internal_error") from None
+                except Exception as error:  # noqa: BLE001 - every engine failure becomes an API error
+                    api_error = as_api_error(error)
+                    if api_error.code != "engine_unavailable" or num_retries == self.limits.max_unstarted_retries:
+                        raise api_error from None
+                num_retries += 1
+                logger.warning("%s: replica failed before streaming (%s); sending it again (retry %d)",
+                               request.request_id, api_error.message, num_retries)
+                self.platform_metrics.engine_retries.labels(model).inc()
+        finally:
+            self.unstarted[model] -= 1
 
     async def _sse_stream(self, builder: ResponseBuilder, first: EngineChunk,
                           stream: AsyncIterator[EngineChunk], include_usage: bool,
@@ -463,12 +542,13 @@ class IngressDeployment(OpenAIIngress):
                  models: dict[str, dict[str, Any]] | None = None, model_routing: dict[str, Any] | None = None,
                  auth: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> None:
         source = metrics_hub.collect.remote if metrics_hub is not None else None
+        load_source = metrics_hub.loads.remote if metrics_hub is not None else None
         configs = {name: ModelConfig.model_validate(model) for name, model in (models or {}).items()}
         routes = RouteTable(ModelRoutingConfig.model_validate(model_routing)) if model_routing else None
         front_door = FrontDoor(AuthConfig.model_validate(auth)) if auth else None
         super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
                          metrics_source=source, models=configs, routes=routes, front_door=front_door,
-                         limits=LimitsConfig.model_validate(limits) if limits else None)
+                         limits=LimitsConfig.model_validate(limits) if limits else None, load_source=load_source)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.build_app()

@@ -11,6 +11,9 @@ from collections import Counter
 
 from ray import serve
 
+from fleetserve.deployments.admission import ReplicaLoad
+from fleetserve.platform.stats import EngineStats
+
 
 class MetricsHub:
     """The latest exposition of every live engine replica.
@@ -23,17 +26,33 @@ class MetricsHub:
         self.ttl_s = ttl_s
         # replica id -> (model, pool, pushed at, exposition)
         self._latest: dict[str, tuple[str, str, float, bytes]] = {}
+        # replica id -> the engine's stats at its last push (admission control reads them)
+        self._stats: dict[str, EngineStats] = {}
 
     def _prune(self) -> None:
         horizon = time.monotonic() - self.ttl_s
         for replica_id in [key for key, entry in self._latest.items() if entry[2] < horizon]:
             del self._latest[replica_id]
+            self._stats.pop(replica_id, None)
 
-    async def push(self, replica_id: str, model: str, pool: str, exposition: bytes) -> None:
+    async def push(self, replica_id: str, model: str, pool: str, exposition: bytes,
+                   stats: EngineStats | None = None) -> None:
         self._latest[replica_id] = (model, pool, time.monotonic(), exposition)
+        if stats is not None:
+            self._stats[replica_id] = stats
 
     async def remove(self, replica_id: str) -> None:
         self._latest.pop(replica_id, None)
+        self._stats.pop(replica_id, None)
+
+    async def loads(self) -> dict[str, list[ReplicaLoad]]:
+        """Every live replica's latest engine stats, per model."""
+        self._prune()
+        loads: dict[str, list[ReplicaLoad]] = {}
+        for replica_id, stats in self._stats.items():
+            model, pool, _, _ = self._latest[replica_id]
+            loads.setdefault(model, []).append(ReplicaLoad(replica_id, pool, stats))
+        return loads
 
     async def collect(self) -> tuple[list[bytes], dict[tuple[str, str], int]]:
         """Every live replica's exposition, and the number of live replicas per (model, pool)."""

@@ -13,6 +13,8 @@ from fleetserve.deployments.protocol import ROUTING_HEADERS
 from fleetserve.loadtest.datasets import RequestSpec
 
 Api = Literal["chat", "completions"]
+# Statuses a server uses to turn work away: rate limited, overloaded.
+REFUSAL_STATUSES = (429, 503)
 
 
 @dataclass
@@ -23,6 +25,8 @@ class RequestRecord:
     # Error text for failed requests ("HTTP 503: ..." or the exception).
     error: str | None = None
     status_code: int | None = None
+    # The server's Retry-After, in seconds, on a refusal (429 or 503).
+    retry_after: float | None = None
     start: float = 0.0
     # Time to first content token.
     ttft: float | None = None
@@ -42,6 +46,11 @@ class RequestRecord:
     routing: dict[str, str] = field(default_factory=dict)
     group_id: int | None = None
     output_text: str = ""
+
+    @property
+    def refused(self) -> bool:
+        """Turned away for load (429 rate limit, 503 overload) rather than failed."""
+        return self.status_code in REFUSAL_STATUSES
 
     @property
     def tpot(self) -> float | None:
@@ -98,6 +107,9 @@ async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {body[:500]}"
+                retry_after = response.headers.get("retry-after", "")
+                if retry_after.replace(".", "", 1).isdigit():
+                    record.retry_after = float(retry_after)
                 return record
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):

@@ -79,6 +79,9 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, percent
     result: dict[str, float | int | None] = {
         "completed": len(done),
         "failed": len(records) - len(done),
+        # Failed ones the server turned away (429/503), and of those, how many said when to retry.
+        "refused": sum(record.refused for record in records),
+        "refused_with_retry_after": sum(record.refused and record.retry_after is not None for record in records),
         "duration": duration_s,
         "total_input_tokens": total_input,
         "total_output_tokens": total_output,

@@ -17,6 +17,8 @@ from fleetserve.loadtest.runner import RunResult
 # Bump on any incompatible change to the result file; documented in docs/bench.md.
 SCHEMA_VERSION = 1
 _HEADLINE = [("completed", "Successful requests", "{:.0f}"), ("failed", "Failed requests", "{:.0f}"),
+             ("refused", "  of which refused (429/503)", "{:.0f}"),
+             ("refused_with_retry_after", "  refused with Retry-After", "{:.0f}"),
              ("duration", "Benchmark duration (s)", "{:.2f}"), ("total_input_tokens", "Total input tokens", "{:.0f}"),
              ("total_output_tokens", "Total generated tokens", "{:.0f}"),
              ("request_throughput", "Request throughput (req/s)", "{:.2f}"),

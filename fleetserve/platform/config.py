@@ -411,6 +411,15 @@ class LimitsConfig(_Strict):
     # Requests admitted per replica of a model (running, queued in the engine or in front of it); beyond
     # it, new requests get 503 with Retry-After at once instead of queueing without bound. None: unbounded.
     max_in_flight_per_replica: int | None = Field(default=1024, gt=0)
+    # Queue bound: admit a request only while the model's queued requests (waiting in engines or on their
+    # way) would drain within this many seconds at the rate its engines finish requests; beyond it, 503
+    # with a Retry-After. None: only max_in_flight_per_replica bounds admission.
+    max_queue_wait_s: float | None = Field(default=60.0, gt=0)
+    # Queue allowed per serving replica however slowly the engines finish (and before they have finished any).
+    min_queued_per_replica: int = Field(default=128, gt=0)
+    # Times a request is sent again when its replica fails (dies, restarts) before streaming anything;
+    # a request that has streamed output ends with an error event instead, since output cannot be unsent.
+    max_unstarted_retries: int = Field(default=2, ge=0)
     # Seconds a request may go without a new token (the first included) before it is aborted in the engine
     # and reported to the client; None: no limit.
     progress_timeout_s: float | None = Field(default=300.0, gt=0)

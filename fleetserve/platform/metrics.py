@@ -153,6 +153,16 @@ class PlatformMetrics:
                                         "route's strongest tier.", ["route"], registry=self.registry)
         self.replicas = Gauge("fleetserve_replicas", "Engine replicas currently reporting, per deployment.",
                               ["model", "pool"], registry=self.registry)
+        self.in_flight = Gauge("fleetserve_in_flight_requests", "Requests this ingress has admitted and not "
+                               "finished, per model.", ["model"], registry=self.registry)
+        self.admission_queue = Gauge("fleetserve_admission_queue_allowance",
+                                     "Requests the admission bound lets queue for the model now.", ["model"],
+                                     registry=self.registry)
+        self.rejections = Counter("fleetserve_admission_rejections", "Requests refused with 503 at admission, "
+                                  "by which bound refused them (queue or in_flight).", ["model", "bound"],
+                                  registry=self.registry)
+        self.engine_retries = Counter("fleetserve_engine_retries", "Requests sent again because their replica "
+                                      "failed before streaming anything.", ["model"], registry=self.registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

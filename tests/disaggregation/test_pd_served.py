@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import time
 
 import httpx
 import pytest
 
+import cluster_helpers
+from cluster_helpers import kill, wait_until_healthy
 from conftest import Served
 from factories import model_entry
 from fleetserve.deployments.protocol import HEADER_POOL, HEADER_PREFILL_REPLICA, HEADER_REPLICA
@@ -45,56 +46,14 @@ def pd_app(served) -> Served:
     serve.delete("pd")
 
 
-def wait_until_healthy(app: str, timeout_s: float = 240.0) -> None:
-    from ray import serve
-    from ray.serve.schema import DeploymentStatus
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        status = serve.status().applications.get(app)
-        if status is not None and all(d.status == DeploymentStatus.HEALTHY for d in status.deployments.values()):
-            return
-        time.sleep(1.0)
-
-
-def engine_gauges(app: Served) -> dict[tuple[str, str], dict[str, float]]:
-    """(pool, replica) -> {running, waiting, kv} for the PD model, from the app's /metrics."""
-    text = httpx.get(f"{app.base_url}/metrics", timeout=10).text
-    gauges: dict[tuple[str, str], dict[str, float]] = {}
-    names = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
-             "vllm:kv_cache_usage_perc": "kv"}
-    for name, value_name in names.items():
-        for labels, value in re.findall(rf'^{re.escape(name)}{{([^}}]*)}} (\S+)$', text, re.M):
-            fields = dict(re.findall(r'(\w+)="([^"]*)"', labels))
-            if fields.get("model_name") == MODEL:
-                gauges.setdefault((fields["pool"], fields["replica"]), {})[value_name] = float(value)
-    return gauges
-
-
-def wait_all_idle(app: Served, timeout_s: float = 40.0) -> dict:
-    """The gauges once every PD replica reports nothing running or waiting and no KV in use."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        gauges = engine_gauges(app)
-        idle = all(g == {"running": 0.0, "waiting": 0.0, "kv": 0.0} for g in gauges.values())
-        if (idle and len(gauges) >= 4) or time.monotonic() > deadline:
-            return gauges
-        time.sleep(1.0)
+def wait_all_idle(app: Served) -> dict:
+    """The PD model's gauges once all 4 replicas are idle (nothing running or waiting, no KV in use)."""
+    return cluster_helpers.wait_all_idle(app.base_url, MODEL, num_replicas=4)
 
 
 def replica_actors(pool: str) -> list[str]:
     """Names of the live Serve replica actors of one PD pool."""
-    import ray
-
-    deployment = f"prefill-{MODEL}" if pool == "prefill" else f"engine-{MODEL}"
-    return sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
-                  if f"#{deployment}#" in actor["name"] and actor["name"].startswith("SERVE_REPLICA"))
-
-
-def kill(actor_name: str) -> None:
-    import ray
-
-    ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+    return cluster_helpers.replica_actors(f"prefill-{MODEL}" if pool == "prefill" else f"engine-{MODEL}")
 
 
 def completion(app: Served, prompt: str = LONG_PROMPT, max_tokens: int = 8, **extra) -> httpx.Response:

@@ -23,6 +23,9 @@ def build(first_s: float, itl_s: float) -> Starlette:
         body = await request.json()
         chat = request.url.path.endswith("chat/completions")
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        if "BUSY" in prompt:
+            return JSONResponse({"error": {"message": "at capacity", "type": "service_unavailable"}},
+                                status_code=503, headers={"Retry-After": "2"})
         if "FAIL" in prompt:
             return JSONResponse({"error": {"message": "asked to fail", "type": "internal_error"}}, status_code=500)
         num_tokens = int(body["max_tokens"])

@@ -124,11 +124,15 @@ def test_goodput_rejects_bad_slos(bad):
 
 
 async def test_failed_requests_are_counted_and_do_not_stop_the_run(schedule_url):
-    workload = specs(6, 3) + specs(3, 3, prompt="please FAIL")
+    workload = specs(6, 3) + specs(3, 3, prompt="please FAIL") + specs(2, 3, prompt="BUSY now")
     result = await run_benchmark(BenchConfig(base_url=schedule_url, model="schedule"), workload)
-    assert (result.metrics["completed"], result.metrics["failed"]) == (6, 3)
+    # 3 failures plus 2 refusals (503 with Retry-After: 2) make 5 failed.
+    assert (result.metrics["completed"], result.metrics["failed"]) == (6, 5)
+    assert (result.metrics["refused"], result.metrics["refused_with_retry_after"]) == (2, 2)
+    assert sorted(record.retry_after for record in result.records if record.refused) == [2.0, 2.0]
     assert result.to_dict(detailed=False)["errors"] == {
-        'HTTP 500: {"error":{"message":"asked to fail","type":"internal_error"}}': 3}
+        'HTTP 500: {"error":{"message":"asked to fail","type":"internal_error"}}': 3,
+        'HTTP 503: {"error":{"message":"at capacity","type":"service_unavailable"}}': 2}
 
 
 @pytest.mark.parametrize(("count_tokens", "expected"), [

@@ -78,3 +78,108 @@ async def test_request_without_progress_is_aborted_and_reported(fake_engine_cls)
     assert '"code":"no_progress"' in streamed.text and streamed.text.rstrip().endswith("data: [DONE]")
     # Both were aborted in the engine and are no longer counted.
     assert len(server.engine.aborted) == 2 and server.engine.running == set() and app.in_flight == {"fake": 0}
+
+
+class FlakyClient:
+    """Reaches a fake engine server, but the first ``num_failures`` calls fail the way a dead replica does,
+    ``after_chunks`` chunks into the stream."""
+
+    def __init__(self, server: EngineServer, num_failures: int, after_chunks: int = 0) -> None:
+        self.server = server
+        self.num_failures = num_failures
+        self.after_chunks = after_chunks
+        self.num_calls = 0
+
+    async def generate(self, request):
+        from ray.exceptions import ActorDiedError
+
+        self.num_calls += 1
+        failing = self.num_calls <= self.num_failures
+        index = 0
+        async for chunk in self.server.generate(request):
+            if failing and index == self.after_chunks:
+                raise ActorDiedError()
+            index += 1
+            yield chunk
+
+    def route_reason(self, request_id):
+        return None
+
+
+def flaky_ingress(fake_engine_cls, num_failures: int, after_chunks: int = 0, **limits):
+    server = EngineServer(ModelConfig(name="fake", source="unused"), engine_cls=fake_engine_cls, model_path="/unused")
+    client = FlakyClient(server, num_failures, after_chunks)
+    return OpenAIIngress({"fake": client}, limits=LimitsConfig(**limits)), client
+
+
+async def test_replica_dying_before_any_output_is_retried(fake_engine_cls):
+    app, client = flaky_ingress(fake_engine_cls, num_failures=2, max_unstarted_retries=2)
+    async with http(app) as http_client:
+        response = await http_client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 3})
+    # Two dead replicas, then a live one: 3 calls, and the caller sees only the success.
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "w0 w1 w2"
+    assert client.num_calls == 3
+    assert 'fleetserve_engine_retries_total{model="fake"} 2.0' in app.platform_metrics.exposition().decode()
+
+
+async def test_retries_spent_is_a_clear_503(fake_engine_cls):
+    app, client = flaky_ingress(fake_engine_cls, num_failures=5, max_unstarted_retries=1)
+    async with http(app) as http_client:
+        response = await http_client.post("/v1/completions", json={"model": "fake", "prompt": "a"})
+    assert (response.status_code, response.json()["error"]["code"]) == (503, "engine_unavailable")
+    assert client.num_calls == 2 and app.in_flight == {"fake": 0}
+
+
+async def test_replica_dying_mid_stream_is_not_retried(fake_engine_cls):
+    app, client = flaky_ingress(fake_engine_cls, num_failures=1, after_chunks=2)
+    async with http(app) as http_client:
+        response = await http_client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 5,
+                                                                    "stream": True})
+    # Two chunks reached the client; output cannot be unsent, so the stream ends with an error event.
+    assert response.status_code == 200 and client.num_calls == 1
+    assert response.text.count('"text"') == 2 and '"code":"engine_unavailable"' in response.text
+
+
+@pytest.mark.parametrize("failure", ["send_fails", "client_disconnects"])
+async def test_event_stream_closes_its_iterator_when_the_client_goes(failure):
+    from starlette.responses import StreamingResponse
+
+    from fleetserve.deployments.ingress import EventStreamResponse
+
+    # (response, events yielded) when each body iterator ended.
+    closed: list[tuple[str, int]] = []
+
+    async def events(name: str):
+        num_yielded = 0
+        try:
+            for index in range(1000):
+                yield f"data: {index}\n\n"
+                num_yielded += 1
+                await asyncio.sleep(0.001)
+        finally:
+            closed.append((name, num_yielded))
+
+    async def send(message) -> None:
+        # The first body chunk fails, as sending to a closed connection does under an ASGI 2.4 server.
+        if failure == "send_fails" and message["type"] == "http.response.body":
+            raise OSError("connection closed")
+
+    async def receive():
+        if failure == "client_disconnects":
+            await asyncio.sleep(0.05)
+            return {"type": "http.disconnect"}
+        await asyncio.Event().wait()
+
+    scope = {"type": "http", "asgi": {"spec_version": "2.4"}}
+    for name, response_cls in [("fleetserve", EventStreamResponse), ("starlette", StreamingResponse)]:
+        try:
+            await asyncio.wait_for(response_cls(events(name))(scope, receive, send), timeout=5)
+        except Exception:  # noqa: BLE001 - Starlette raises ClientDisconnect; only the iterator matters here
+            pass
+    # Ours ends its iterator (so the engine request) at once: at the failed first send, or at the
+    # disconnect (~50 of 1000 events in). Starlette's plain streaming response leaves the iterator
+    # suspended when a send fails, and streams all 1000 events to a client that has gone.
+    if failure == "send_fails":
+        assert closed == [("fleetserve", 0)]
+    else:
+        assert closed[0][0] == "fleetserve" and closed[0][1] < 1000 and closed[1] == ("starlette", 1000)

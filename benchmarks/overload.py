@@ -1,0 +1,158 @@
+"""Overload: fleetserve's admission control against Ray Serve's default unbounded queueing, at 2x capacity.
+
+    .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
+
+The tiny model on 2 replicas (one core each, max_num_seqs 16, eager). Capacity is measured first: a
+closed burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
+same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `fleetserve bench`'s runner:
+
+  bounded    fleetserve's admission control: queue bound of 2 s of drain (max_queue_wait_s 2)
+  unbounded  no admission bound (max_queue_wait_s and max_in_flight_per_replica off): Ray Serve's
+             default, where every request queues until served or timed out
+
+Reported per setup: completed, refused (503 with Retry-After), client timeouts (120 s), throughput,
+TTFT/TPOT medians and p99s of completed requests, goodput (TTFT <= 5 s), peak requests in flight, and
+peak memory of the ingress and engine processes. Results: results/overload/*.json and a table on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import threading
+from pathlib import Path
+
+import psutil
+
+from fleetserve.loadtest.datasets import RequestSpec
+from fleetserve.loadtest.report import save_results
+from fleetserve.loadtest.runner import BenchConfig, run_benchmark
+from fleetserve.platform.config import parse_config
+
+ROOT = Path(__file__).resolve().parents[1]
+PORT = 8044
+MODEL = "tiny"
+SETUPS = {"bounded": {"max_queue_wait_s": 2.0, "min_queued_per_replica": 8},
+          "unbounded": {"max_queue_wait_s": None, "max_in_flight_per_replica": None}}
+# Goodput SLO (ms): a first token within 5 s.
+SLO = {"ttft": 5000.0}
+
+
+def model_config() -> dict:
+    args = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * 2**20, "max_num_seqs": 16,
+            "extra": {"enforce_eager": True}}
+    return {"name": MODEL, "source": "tiny-random-llama", "replicas": 2, "engine_args": args,
+            "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]}}
+
+
+def specs(num: int) -> list[RequestSpec]:
+    return [RequestSpec(prompt=" ".join(f"w{(i + j) % 97}" for j in range(64)), prompt_len=64, max_tokens=32)
+            for i in range(num)]
+
+
+class MemorySampler(threading.Thread):
+    """Peak resident memory of the ingress and of the engine replicas (with their vLLM processes)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peaks = {"ingress": 0, "engines": 0}
+        self.done = threading.Event()
+
+    @staticmethod
+    def rss(title: str) -> int:
+        total = 0
+        for process in psutil.process_iter(["cmdline"]):
+            if title in " ".join(process.info["cmdline"] or []):
+                for member in [process, *process.children(recursive=True)]:
+                    try:
+                        total += member.memory_info().rss
+                    except psutil.NoSuchProcess:
+                        pass
+        return total
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            self.peaks["ingress"] = max(self.peaks["ingress"], self.rss("ServeReplica:fleetserve:ingress"))
+            self.peaks["engines"] = max(self.peaks["engines"], self.rss(f"ServeReplica:fleetserve:engine-{MODEL}"))
+
+
+def peak_in_flight(records) -> int:
+    """Most requests open at once, from the client's records (start to end, refusals included)."""
+    events = sorted([(r.start, 1) for r in records] + [(r.start + (r.e2el or 0.0), -1) for r in records])
+    peak = level = 0
+    for _, step in events:
+        level += step
+        peak = max(peak, level)
+    return peak
+
+
+def main() -> None:
+    import ray
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--factor", type=float, default=2.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "results" / "overload")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    ray.init(include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    base_url = f"http://127.0.0.1:{PORT}"
+    rows, capacity = [], None
+    try:
+        for setup, limits in SETUPS.items():
+            serve.run(build_app(parse_config({"models": [model_config()], "limits": limits})), name="fleetserve",
+                      route_prefix="/")
+            if capacity is None:
+                probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
+                                                              max_concurrency=32), specs(96)))
+                capacity = probe.metrics["request_throughput"]
+                print(f"capacity: {capacity:.2f} req/s; offering {args.factor * capacity:.2f} req/s "
+                      f"for {args.seconds:g} s", flush=True)
+            rate = args.factor * capacity
+            sampler = MemorySampler()
+            sampler.start()
+            config = BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True, request_rate=rate, seed=1,
+                                 max_seconds=args.seconds, timeout_s=120.0, goodput=SLO)
+            result = asyncio.run(run_benchmark(config, specs(int(rate * args.seconds) + 50)))
+            sampler.done.set()
+            sampler.join()
+            save_results(args.out / f"{setup}.json", [result], detailed=True)
+            rows.append((setup, result, sampler.peaks))
+            serve.delete("fleetserve")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    report(rows, capacity)
+
+
+def report(rows, capacity: float) -> None:
+    print(f"\n| figure | {' | '.join(setup for setup, _, _ in rows)} |")
+    print(f"|---|{'---|' * len(rows)}")
+    figures = [
+        ("requests sent", lambda r, _: len(r.records)),
+        ("completed", lambda r, _: r.metrics["completed"]),
+        ("refused (503 + Retry-After)", lambda r, _: r.metrics["refused_with_retry_after"]),
+        ("client timeouts (120 s)", lambda r, _: sum("Timeout" in (x.error or "") for x in r.records)),
+        ("other failures", lambda r, _: r.metrics["failed"] - r.metrics["refused"]
+         - sum("Timeout" in (x.error or "") for x in r.records)),
+        ("throughput (req/s)", lambda r, _: f"{r.metrics['request_throughput']:.2f}"),
+        ("goodput, TTFT <= 5 s (req/s)", lambda r, _: f"{r.metrics['request_goodput']:.2f}"),
+        ("median TTFT (ms)", lambda r, _: f"{r.metrics['median_ttft_ms']:.0f}"),
+        ("p99 TTFT (ms)", lambda r, _: f"{r.metrics['p99_ttft_ms']:.0f}"),
+        ("median TPOT (ms)", lambda r, _: f"{r.metrics['median_tpot_ms']:.0f}"),
+        ("p99 TPOT (ms)", lambda r, _: f"{r.metrics['p99_tpot_ms']:.0f}"),
+        ("peak requests open (client)", lambda r, _: peak_in_flight(r.records)),
+        ("peak ingress RSS (MiB)", lambda _, p: p["ingress"] >> 20),
+        ("peak engine RSS (MiB)", lambda _, p: p["engines"] >> 20),
+    ]
+    for name, value in figures:
+        print(f"| {name} | {' | '.join(str(value(result, peaks)) for _, result, peaks in rows)} |")
+    print(f"\ncapacity {capacity:.2f} req/s (closed burst of 96)")
+
+
+if __name__ == "__main__":
+    main()

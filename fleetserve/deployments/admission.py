@@ -1,0 +1,151 @@
+"""Admission control: a bounded queue in front of a model's engines, sized from what the engines report.
+
+A request is admitted when the work already queued for the model would drain within
+``limits.max_queue_wait_s`` at the rate the engines are finishing requests. Beyond that, the caller gets
+a 503 with a Retry-After at once, instead of queueing without bound until it times out. Plain
+classes (no Ray): the ingress feeds in engine snapshots and asks before each request.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from fleetserve.deployments.protocol import APIError
+from fleetserve.platform.config import LimitsConfig, ModelConfig
+from fleetserve.platform.stats import EngineStats
+
+# Mean KV usage at or above which engines cannot start more requests (they would preempt), so requests
+# sent to them wait; below it, and with nothing waiting, engines start what they are sent at once.
+KV_SATURATED = 0.9
+# max_num_seqs when the config leaves it to vLLM (its smallest CPU default).
+DEFAULT_MAX_NUM_SEQS = 128
+# Seconds of engine snapshots the completion rate is measured over.
+RATE_WINDOW_S = 10.0
+# Bounds on the Retry-After a rejected caller is given.
+MIN_RETRY_AFTER_S = 1
+MAX_RETRY_AFTER_S = 60
+
+
+@dataclass(frozen=True)
+class ReplicaLoad:
+    """One engine replica's last report, as the metrics hub holds it."""
+
+    replica_id: str
+    # colocated, prefill or decode.
+    pool: str
+    stats: EngineStats
+
+
+@dataclass(frozen=True)
+class AdmissionDecision:
+    """Why a request was admitted or refused; the numbers are those the rule compared."""
+
+    admitted: bool
+    # Requests queued for the model, this one included: waiting in an engine, or admitted here and
+    # still without a first token.
+    num_queued: int
+    # How many may queue now: the engines' completion rate × max_queue_wait_s, at least the floor.
+    # None when the queue is not bounded (no engine report yet, or max_queue_wait_s is off).
+    queue_allowance: int | None
+    # Requests the ingress has admitted and not finished, this one included.
+    num_in_flight: int
+    # Hard ceiling on num_in_flight (max_in_flight_per_replica × max serving replicas); None: none.
+    in_flight_bound: int | None
+    # Seconds the caller should wait before retrying; None when admitted.
+    retry_after_s: int | None = None
+
+
+class AdmissionController:
+    """Decides admission for one model.
+
+    Args:
+        model: the model's config (its serving replicas and max_num_seqs).
+        limits: the platform's limits.
+        clock: monotonic seconds.
+    """
+
+    def __init__(self, model: ModelConfig | None, limits: LimitsConfig, clock=time.monotonic) -> None:
+        self.limits = limits
+        self.clock = clock
+        self.max_serving_replicas = model.max_serving_replicas if model is not None else 1
+        serving = (model.pool_model("decode") if model is not None and model.disaggregation is not None else model)
+        seqs = serving.engine_args.max_num_seqs if serving is not None else None
+        self.max_num_seqs = seqs or DEFAULT_MAX_NUM_SEQS
+        self.loads: list[ReplicaLoad] = []
+        # (monotonic time, finished count per replica id), newest last, spanning RATE_WINDOW_S.
+        self._history: deque[tuple[float, dict[str, int]]] = deque()
+
+    def observe(self, loads: list[ReplicaLoad]) -> None:
+        """Takes the engines' latest reports (all pools of the model)."""
+        now = self.clock()
+        self.loads = loads
+        self._history.append((now, {load.replica_id: load.stats.num_finished for load in loads}))
+        while len(self._history) > 2 and now - self._history[1][0] >= RATE_WINDOW_S:
+            self._history.popleft()
+
+    def completion_rate(self) -> float:
+        """Requests the engines finished per second over the window; replicas in both ends only, so a
+        restarted or new replica's counter does not count as a burst of completions."""
+        if len(self._history) < 2:
+            return 0.0
+        (start, before), (end, after) = self._history[0], self._history[-1]
+        if end <= start:
+            return 0.0
+        finished = sum(max(0, after[rid] - before[rid]) for rid in after.keys() & before.keys())
+        return finished / (end - start)
+
+    def _serving(self) -> list[ReplicaLoad]:
+        return [load for load in self.loads if load.pool in ("colocated", "decode")]
+
+    def decide(self, num_in_flight: int, num_unstarted: int | None = None) -> AdmissionDecision:
+        """Whether one more request may join those this ingress already holds.
+
+        Args:
+            num_in_flight: requests admitted here and not finished.
+            num_unstarted: those of them without a first token yet (queued, or being prefilled);
+                None: all of them.
+        """
+        limits = self.limits
+        in_flight = num_in_flight + 1
+        unstarted = (num_in_flight if num_unstarted is None else num_unstarted) + 1
+        bound = (limits.max_in_flight_per_replica * self.max_serving_replicas
+                 if limits.max_in_flight_per_replica is not None else None)
+        serving = self._serving()
+        if bound is not None and in_flight > bound:
+            return AdmissionDecision(False, in_flight, None, in_flight, bound, MIN_RETRY_AFTER_S)
+        if limits.max_queue_wait_s is None or not serving:
+            return AdmissionDecision(True, 0, None, in_flight, bound)
+        num_replicas = len(serving)
+        running = sum(load.stats.num_running for load in serving)
+        waiting = sum(load.stats.num_waiting for load in self.loads)
+        kv_usage = sum(load.stats.kv_cache_usage for load in serving) / num_replicas
+        slots = self.max_num_seqs * num_replicas
+        # Engines with nothing waiting and KV to spare start what they are sent, up to max_num_seqs.
+        headroom = max(0, slots - running) if waiting == 0 and kv_usage < KV_SATURATED else 0
+        # Queued is the largest of three views: the engines' waiting requests (from every ingress); requests
+        # here without a first token beyond the free slots; and requests here beyond all the engines' slots,
+        # which wait for a slot or for the response path to deliver output the engines already made.
+        queued = max(waiting + 1, unstarted - headroom, in_flight - slots)
+        rate = self.completion_rate()
+        allowance = max(limits.min_queued_per_replica * num_replicas, math.floor(rate * limits.max_queue_wait_s))
+        if queued <= allowance:
+            return AdmissionDecision(True, queued, allowance, in_flight, bound)
+        excess = queued - allowance
+        retry = math.ceil(excess / rate) if rate > 0 else MIN_RETRY_AFTER_S
+        return AdmissionDecision(False, queued, allowance, in_flight, bound,
+                                 min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)))
+
+    def refusal(self, model: str, decision: AdmissionDecision) -> APIError:
+        """The 503 ``overloaded`` error, with its Retry-After header, for a refused request."""
+        if decision.queue_allowance is None:
+            detail = f"{decision.in_flight_bound} requests in flight"
+        else:
+            detail = (f"{decision.num_queued} requests queued; its engines drain about "
+                      f"{decision.queue_allowance} in {self.limits.max_queue_wait_s:g} s")
+        error = APIError(f"`{model}` is at capacity ({detail}); retry after {decision.retry_after_s} s", 503,
+                         "service_unavailable", code="overloaded")
+        error.headers = {"Retry-After": str(decision.retry_after_s)}
+        return error

@@ -1,0 +1,71 @@
+"""Helpers for tests against Serve apps on the suite's Ray cluster: health, replica actors, engine gauges."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import httpx
+
+# vLLM gauge -> short name, as engine_gauges() reports them.
+GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
+          "vllm:kv_cache_usage_perc": "kv"}
+
+
+def wait_until_healthy(app: str, timeout_s: float = 240.0) -> float:
+    """Waits until every deployment of a Serve app is HEALTHY; returns the seconds it took (inf on timeout)."""
+    from ray import serve
+    from ray.serve.schema import DeploymentStatus
+
+    start = time.monotonic()
+    while time.monotonic() < start + timeout_s:
+        status = serve.status().applications.get(app)
+        if status is not None and all(d.status == DeploymentStatus.HEALTHY for d in status.deployments.values()):
+            return time.monotonic() - start
+        time.sleep(0.5)
+    return float("inf")
+
+
+def replica_actors(deployment: str) -> list[str]:
+    """Names of a deployment's live Serve replica actors."""
+    import ray
+
+    return sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                  if f"#{deployment}#" in actor["name"] and actor["name"].startswith("SERVE_REPLICA"))
+
+
+def kill(actor_name: str) -> None:
+    """Kills a Serve replica actor the way a crash would (no graceful shutdown)."""
+    import ray
+
+    ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
+
+
+def metric_values(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """Every sample of one metric in a Prometheus exposition, with its labels."""
+    return [(dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value))
+            for labels, value in re.findall(rf'^{re.escape(name)}{{([^}}]*)}} (\S+)$', text, re.M)]
+
+
+def engine_gauges(base_url: str, model: str) -> dict[tuple[str, str], dict[str, float]]:
+    """(pool, replica) -> {running, waiting, kv} for one model's replicas, from the app's /metrics."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    gauges: dict[tuple[str, str], dict[str, float]] = {}
+    for name, short in GAUGES.items():
+        for labels, value in metric_values(text, name):
+            if labels.get("model_name") == model:
+                gauges.setdefault((labels["pool"], labels["replica"]), {})[short] = value
+    return gauges
+
+
+def wait_all_idle(base_url: str, model: str, num_replicas: int,
+                  timeout_s: float = 40.0) -> dict[tuple[str, str], dict[str, float]]:
+    """The gauges once ``num_replicas`` replicas of the model report nothing running or waiting and no KV
+    in use (or the last gauges seen, at the timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        gauges = engine_gauges(base_url, model)
+        idle = all(g == {"running": 0.0, "waiting": 0.0, "kv": 0.0} for g in gauges.values())
+        if (idle and len(gauges) >= num_replicas) or time.monotonic() > deadline:
+            return gauges
+        time.sleep(1.0)
