@@ -22,9 +22,8 @@ import asyncio
 import threading
 from pathlib import Path
 
-import psutil
-
 from fleetserve.loadtest.datasets import RequestSpec
+from fleetserve.loadtest.processes import resident_bytes
 from fleetserve.loadtest.report import save_results
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
 from fleetserve.platform.config import parse_config
@@ -58,22 +57,10 @@ class MemorySampler(threading.Thread):
         self.peaks = {"ingress": 0, "engines": 0}
         self.done = threading.Event()
 
-    @staticmethod
-    def rss(title: str) -> int:
-        total = 0
-        for process in psutil.process_iter(["cmdline"]):
-            if title in " ".join(process.info["cmdline"] or []):
-                for member in [process, *process.children(recursive=True)]:
-                    try:
-                        total += member.memory_info().rss
-                    except psutil.NoSuchProcess:
-                        pass
-        return total
-
     def run(self) -> None:
         while not self.done.wait(1.0):
-            self.peaks["ingress"] = max(self.peaks["ingress"], self.rss("ServeReplica:fleetserve:ingress"))
-            self.peaks["engines"] = max(self.peaks["engines"], self.rss(f"ServeReplica:fleetserve:engine-{MODEL}"))
+            self.peaks["ingress"] = max(self.peaks["ingress"], resident_bytes("ServeReplica:fleetserve:ingress"))
+            self.peaks["engines"] = max(self.peaks["engines"], resident_bytes(f"ServeReplica:fleetserve:engine-{MODEL}"))
 
 
 def peak_in_flight(records) -> int:

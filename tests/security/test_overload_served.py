@@ -16,13 +16,13 @@ import threading
 import time
 
 import httpx
-import psutil
 import pytest
 
 from cluster_helpers import kill, metric_values, replica_actors, wait_all_idle, wait_until_healthy
 from conftest import Served
 from factories import model_entry
 from fleetserve.loadtest.datasets import RequestSpec
+from fleetserve.loadtest.processes import resident_bytes
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
 from fleetserve.platform.config import parse_config
 
@@ -51,20 +51,6 @@ def guarded(served) -> Served:
     serve.delete("guarded")
 
 
-def process_rss(title: str) -> int:
-    """Resident bytes of the Ray worker whose process title contains ``title``, with its children (the
-    vLLM engine core of an engine replica)."""
-    total = 0
-    for process in psutil.process_iter(["cmdline"]):
-        if title in " ".join(process.info["cmdline"] or []):
-            for member in [process, *process.children(recursive=True)]:
-                try:
-                    total += member.memory_info().rss
-                except psutil.NoSuchProcess:
-                    pass
-    return total
-
-
 class Sampler(threading.Thread):
     """Samples the guarded app's ingress and engine memory, and its in-flight and waiting counts."""
 
@@ -82,8 +68,8 @@ class Sampler(threading.Thread):
                    if labels.get("model_name") == MODEL]
         running = [value for labels, value in metric_values(text, "vllm:num_requests_running")
                    if labels.get("model_name") == MODEL]
-        return {"ingress_rss": process_rss("ServeReplica:guarded:ingress"),
-                "engine_rss": process_rss(f"ServeReplica:guarded:{DEPLOYMENT}"),
+        return {"ingress_rss": resident_bytes("ServeReplica:guarded:ingress"),
+                "engine_rss": resident_bytes(f"ServeReplica:guarded:{DEPLOYMENT}"),
                 "in_flight": sum(in_flight), "waiting": sum(waiting), "running": running}
 
     def run(self) -> None:
