@@ -156,6 +156,11 @@ class Engine:
         return cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
 
     @property
+    def block_size(self) -> int:
+        """Tokens per KV block (the prefix cache's unit)."""
+        return int(self._llm.vllm_config.cache_config.block_size)
+
+    @property
     def max_model_len(self) -> int:
         return int(self._llm.model_config.max_model_len)
 
