@@ -21,7 +21,8 @@ from fleetserve.loadtest.runner import BenchConfig, run_benchmark
 from fleetserve.platform.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
-POLICIES = ["cache_aware", "session", "round_robin", "power_of_two"]
+# cache_aware_kv_events: cache_aware fed by the engines' KV cache events instead of its routed index.
+POLICIES = ["cache_aware", "cache_aware_kv_events", "session", "round_robin", "power_of_two"]
 PORT = 8041
 
 
@@ -31,7 +32,8 @@ def config(policy: str):
         "engine_args": {"dtype": "bfloat16", "max_model_len": 2048, "kv_cache_memory_bytes": 256 * 2**20,
                         "max_num_batched_tokens": 512},
         "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]},
-        "routing": {"policy": policy}}]})
+        "routing": ({"policy": "cache_aware", "prefix_source": "kv_events"} if policy == "cache_aware_kv_events"
+                    else {"policy": policy})}]})
 
 
 def workloads(num_prompts: int):
@@ -69,6 +71,8 @@ def main() -> None:
     parser.add_argument("--request-rate", type=float, default=1.5)
     parser.add_argument("--workloads", default="shared-prefix-8-groups,shared-prefix-24-groups,no-shared-prefix",
                         help="comma-separated subset of the workloads to run")
+    parser.add_argument("--policies", default=",".join(POLICIES),
+                        help="comma-separated subset of the routers to run (power_of_two is the baseline)")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "routing")
     args = parser.parse_args()
     loads = {name: specs for name, specs in workloads(args.num_prompts).items() if name in args.workloads.split(",")}
@@ -76,7 +80,7 @@ def main() -> None:
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     rows = []
     try:
-        for policy in POLICIES:
+        for policy in [p for p in POLICIES if p in args.policies.split(",")]:
             print(f"{policy}: deploying", flush=True)
             serve.run(build_app(config(policy)), name="fleetserve", route_prefix="/")
             for name, specs in loads.items():

@@ -42,7 +42,11 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
                        hub: Any) -> Application:
     """The deployment the ingress calls for ``model``: its engine, or its decode pool behind a prefill pool."""
     if model.disaggregation is None:
-        return EngineDeployment.options(**model.deployment_options()).bind(
+        options = model.deployment_options()
+        if model.routing.prefix_source == "kv_events":
+            # The router tokenizes prompts as the engines do, to match the blocks their events describe.
+            options["request_router_config"]["request_router_kwargs"]["tokenizer_source"] = model_path or model.source
+        return EngineDeployment.options(**options).bind(
             model.model_dump(), bindings[model.deployment_name], model_path, hub)
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
     prefill_app = PrefillDeployment.options(**prefill.deployment_options()).bind(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -64,11 +65,13 @@ class EngineServer:
         cpu_binding: cores for the engine's CPU worker; None leaves vLLM's default.
         model_path: an already resolved HF folder; None resolves ``model.source`` here.
         kv_transfer: joins KV transfer with peer engines (disaggregated pools); None serves colocated.
+        kv_events_port: publishes the engine's KV cache events on this port (routing.prefix_source
+            kv_events); None publishes none.
     """
 
     def __init__(self, model: ModelConfig, *, engine_cls: type[Engine] = Engine, replica_id: str = "local",
                  cpu_binding: str | None = None, model_path: str | Path | None = None,
-                 kv_transfer: KVTransferSpec | None = None) -> None:
+                 kv_transfer: KVTransferSpec | None = None, kv_events_port: int | None = None) -> None:
         self.model = model
         self.replica_id = replica_id
         self.pool = model.pool
@@ -77,6 +80,8 @@ class EngineServer:
         self._last_signals: tuple[float, EngineStats] | None = None
         path = Path(model_path) if model_path is not None else resolve_source(model.source)
         extra = {"kv_transfer": kv_transfer} if kv_transfer is not None else {}
+        if kv_events_port is not None:
+            extra["kv_events_port"] = kv_events_port
         self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics], **extra)
 
     def _prompt_ids(self, request: EngineRequest) -> list[int]:
@@ -171,12 +176,32 @@ class ServeReplica:
         stats = self.engine.stats() if self.engine is not None else None
         if stats is None:
             return {}
-        return {"kv_cache_usage": stats.kv_cache_usage, "num_running": stats.num_running,
-                "num_waiting": stats.num_waiting}
+        routing = {"kv_cache_usage": stats.kv_cache_usage, "num_running": stats.num_running,
+                   "num_waiting": stats.num_waiting}
+        endpoint = getattr(self, "_kv_events_endpoint", None)
+        if endpoint is not None:
+            # Where the router subscribes to this engine's KV cache events, and the blocks they describe.
+            routing.update(kv_events_endpoint=endpoint, kv_block_size=self.engine.block_size)
+        return routing
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook (every autoscaling metrics_interval_s)."""
         return self.autoscaling_signals() if self.engine is not None else {}
+
+    def _kv_events_port(self, config: ModelConfig) -> int | None:
+        """Leases this replica's KV event port when its model's router follows engine events."""
+        if config.routing.prefix_source != "kv_events":
+            return None
+        from ray.util import get_node_ip_address
+
+        from fleetserve.platform.kv_transfer import lease_side_channel_ports
+
+        # Routers on other nodes subscribe at this node's address; loopback when single-node.
+        host = os.environ.get("FLEETSERVE_SIDE_CHANNEL_HOST") or get_node_ip_address()
+        port = lease_side_channel_ports(1, host=host)
+        self._kv_events_endpoint = f"tcp://{host}:{port}"
+        self._kv_events_lease = port
+        return port
 
     def __del__(self) -> None:
         # Serve calls __del__ on graceful shutdown; stopping the engine here lets its worker exit
@@ -185,6 +210,11 @@ class ServeReplica:
             self._publisher.cancel()
             self._hub.remove.remote(self.replica_id)
         self.shutdown()
+        port = getattr(self, "_kv_events_lease", None)
+        if port is not None:
+            from fleetserve.platform.kv_transfer import release_side_channel_ports
+
+            release_side_channel_ports(port)
 
 
 @serve.deployment
@@ -195,5 +225,6 @@ class EngineDeployment(ServeReplica, EngineServer):
                  model_path: str | None = None, metrics_hub: Any = None) -> None:
         config = ModelConfig.model_validate(model)
         replica_id, binding = self._replica_identity(config, cpu_bindings)
-        super().__init__(config, replica_id=replica_id, cpu_binding=binding, model_path=model_path)
+        super().__init__(config, replica_id=replica_id, cpu_binding=binding, model_path=model_path,
+                         kv_events_port=self._kv_events_port(config))
         self._start_publishing(metrics_hub)

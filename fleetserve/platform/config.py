@@ -153,8 +153,18 @@ class RoutingConfig(_Strict):
     balance_abs_threshold: int = Field(default=32, ge=0)
     balance_rel_threshold: float = Field(default=1.5, ge=1.0)
     cache_threshold: float = Field(default=0.5, ge=0.0, le=1.0)
+    # Where cache_aware learns which prefixes each replica holds. routed: an approximate index of what it
+    # routed there (text blocks, LRU-bounded). kv_events: the engines' own KV cache events (vLLM's
+    # BlockStored/BlockRemoved over ZMQ), so evictions are seen; the router then tokenizes each prompt.
+    prefix_source: Literal["routed", "kv_events"] = "routed"
     # How often replicas report KV usage and queue lengths to the router.
     stats_period_s: float = Field(default=1.0, gt=0)
+
+    @model_validator(mode="after")
+    def _events_need_cache_routing(self) -> RoutingConfig:
+        if self.prefix_source == "kv_events" and self.policy not in ("cache_aware", "session"):
+            raise ValueError(f"prefix_source kv_events feeds cache_aware routing; policy {self.policy} ignores it")
+        return self
 
     def request_router_config(self) -> dict[str, Any] | None:
         """Serve's request_router_config as a dict; None keeps Serve's default (power of two)."""
@@ -164,7 +174,7 @@ class RoutingConfig(_Strict):
             "request_router_class": "fleetserve.router.serve_adapter:FleetserveRequestRouter",
             "request_router_kwargs": {"policy": self.policy, "balance_abs_threshold": self.balance_abs_threshold,
                                       "balance_rel_threshold": self.balance_rel_threshold,
-                                      "cache_threshold": self.cache_threshold},
+                                      "cache_threshold": self.cache_threshold, "prefix_source": self.prefix_source},
             "request_routing_stats_period_s": self.stats_period_s,
         }
 
@@ -232,6 +242,20 @@ class ModelConfig(_Strict):
     disaggregation: DisaggregationConfig | None = None
     # Which pool this config describes; set by pool_model() for a disaggregated model's pools.
     _pool: str = PrivateAttr(default="colocated")
+
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> ModelConfig:
+        if self.routing.prefix_source != "kv_events":
+            return self
+        if self.disaggregation is not None:
+            raise ValueError("routing.prefix_source kv_events is not supported for disaggregated models yet; "
+                             "use routed")
+        if self.engine_args.enable_prefix_caching is False:
+            raise ValueError("routing.prefix_source kv_events needs engine_args.enable_prefix_caching")
+        if "kv_events_config" in self.engine_args.extra:
+            raise ValueError("engine_args.extra.kv_events_config: the platform sets it for "
+                             "routing.prefix_source kv_events; remove it")
+        return self
 
     @model_validator(mode="after")
     def _check_disaggregation(self) -> ModelConfig:

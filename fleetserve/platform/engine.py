@@ -102,6 +102,21 @@ def _vllm_engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
 
 
+def chat_token_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+    """A chat's prompt token ids, exactly as the engine builds them (the router hashes the same ids).
+
+    Raises:
+        ValueError: the tokenizer has no chat template, or the template rejects the messages.
+    """
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    # The template writes its own special tokens; adding them again would double the BOS.
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
+# The topic engines publish their KV cache events under (fleetserve.router.kv_events subscribes to it).
+KV_EVENTS_TOPIC = "kv"
+
+
 class Engine:
     """One vLLM engine (AsyncLLM) serving one model."""
 
@@ -114,7 +129,7 @@ class Engine:
     @classmethod
     def create(cls, model: ModelConfig, model_path: Path, cpu_binding: str | None = None,
                stats_listeners: Sequence[StatsListener] = (),
-               kv_transfer: KVTransferSpec | None = None) -> Engine:
+               kv_transfer: KVTransferSpec | None = None, kv_events_port: int | None = None) -> Engine:
         """Builds the AsyncLLM for ``model`` from a resolved HF folder.
 
         Args:
@@ -123,6 +138,8 @@ class Engine:
             cpu_binding: cores for the vLLM CPU worker (VLLM_CPU_OMP_THREADS_BIND); ignored on GPU.
             stats_listeners: also fed every engine step's stats (e.g. ``EngineMetrics``).
             kv_transfer: joins KV transfer with prefill/decode peers; None serves colocated.
+            kv_events_port: publishes the engine's KV cache events (topic KV_EVENTS_TOPIC) on this port
+                of every interface, for the router; None publishes none.
 
         Raises:
             ConfigError: an ``engine_args.extra`` key that vLLM does not know.
@@ -143,6 +160,9 @@ class Engine:
             kwargs["kv_transfer_config"] = kv_transfer.vllm_config()
         else:
             os.environ.pop(NIXL_DELAY_ENV, None)
+        if kv_events_port is not None:
+            kwargs["kv_events_config"] = {"enable_kv_cache_events": True, "publisher": "zmq",
+                                          "endpoint": f"tcp://*:{kv_events_port}", "topic": KV_EVENTS_TOPIC}
         args = AsyncEngineArgs(model=str(model_path), served_model_name=[model.name],
                                disable_log_stats=False, **kwargs)
         recorder = StatsRecorder(stats_listeners)
@@ -175,12 +195,10 @@ class Engine:
             EngineRequestError: the model has no chat template, or the template rejects the messages.
         """
         try:
-            text = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+            return chat_token_ids(self.tokenizer, messages)
         except ValueError as error:
             raise EngineRequestError(f"cannot apply the chat template of {self.model_name}: {error}",
                                      param="messages") from None
-        # The template writes its own special tokens; adding them again would double the BOS.
-        return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _sampling_params(self, options: SamplingOptions, kv_transfer_params: dict[str, Any] | None = None) -> Any:
         from vllm import SamplingParams

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +25,10 @@ from fleetserve.router.prefix_index import PrefixMatch
 logger = logging.getLogger(__name__)
 # The chain's seed: the hash "before" a prompt's first block.
 ROOT_HASH = b"\0" * 8
+# Seconds the blocks of a prompt just routed to a replica count as held there before its engine's events
+# confirm them: enough for the prefill to run and BlockStored to arrive, so a burst sharing a prefix
+# stays together instead of scattering while the first request is still prefilling.
+PENDING_TTL_S = 5.0
 
 
 def token_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH) -> list[bytes]:
@@ -41,14 +46,19 @@ class KVEventIndex:
     """Which token-block prefixes each replica's engine holds, kept from its KV cache events.
 
     Args:
-        block_size: the engines' KV block size in tokens (vLLM's ``block_size``; 128 on CPU).
+        block_size: the engines' KV block size in tokens (vLLM's ``block_size``; 128 on CPU); None until
+            a replica reports it, and until then no prompt matches.
+        clock: monotonic seconds (tests pass a fake clock).
     """
 
-    def __init__(self, block_size: int) -> None:
-        if block_size < 1:
+    def __init__(self, block_size: int | None = None, clock=time.monotonic) -> None:
+        if block_size is not None and block_size < 1:
             raise ValueError("block_size must be positive")
         self.block_size = block_size
+        self.clock = clock
         self._lock = threading.Lock()
+        # replica id -> chain hash -> expiry of a routed, not yet confirmed block
+        self._pending: dict[str, dict[bytes, float]] = {}
         # replica id -> engine block hash -> our chain hash
         self._chains: dict[str, dict[Any, bytes]] = {}
         # replica id -> our chain hash -> engine blocks holding it (a prefix can be stored twice)
@@ -96,20 +106,33 @@ class KVEventIndex:
         with self._lock:
             self._chains.pop(replica_id, None)
             self._held.pop(replica_id, None)
+            self._pending.pop(replica_id, None)
 
     def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """A prompt's chained block hashes, to match against replicas."""
-        return token_block_hashes(token_ids, self.block_size)
+        """A prompt's chained block hashes, to match against replicas (none before the block size is known)."""
+        return token_block_hashes(token_ids, self.block_size) if self.block_size else []
+
+    def insert(self, replica_id: str, hashes: Sequence[bytes]) -> None:
+        """Counts a prompt just routed to the replica as held there for PENDING_TTL_S, until events confirm."""
+        now = self.clock()
+        with self._lock:
+            pending = self._pending.setdefault(replica_id, {})
+            for block_hash in [key for key, expiry in pending.items() if expiry <= now]:
+                del pending[block_hash]
+            for block_hash in hashes:
+                pending[block_hash] = now + PENDING_TTL_S
 
     def match(self, hashes: Sequence[bytes], replica_ids: Sequence[str]) -> list[PrefixMatch]:
         """For each replica, how many leading blocks of the prompt its engine holds."""
+        now = self.clock()
         with self._lock:
             matches = []
             for replica_id in replica_ids:
                 held = self._held.get(replica_id, Counter())
+                pending = self._pending.get(replica_id, {})
                 num_matched = 0
                 for block_hash in hashes:
-                    if block_hash not in held:
+                    if block_hash not in held and pending.get(block_hash, 0.0) <= now:
                         break
                     num_matched += 1
                 matches.append(PrefixMatch(replica_id, num_matched, len(hashes)))
@@ -124,9 +147,10 @@ class KVEventIndex:
         """Drops replicas that are gone."""
         live = set(live_replica_ids)
         with self._lock:
-            for replica_id in [key for key in self._chains if key not in live]:
+            for replica_id in [key for key in {*self._chains, *self._pending} if key not in live]:
                 self._chains.pop(replica_id, None)
                 self._held.pop(replica_id, None)
+                self._pending.pop(replica_id, None)
 
 
 class KVEventSubscriber:
@@ -158,6 +182,10 @@ class KVEventSubscriber:
         """Subscribes to a replica's publisher, e.g. ``tcp://10.0.0.5:21000`` (again on a new endpoint)."""
         with self._lock:
             self._wanted[replica_id] = endpoint
+
+    def followed(self) -> list[str]:
+        with self._lock:
+            return list(self._wanted)
 
     def unfollow(self, replica_id: str) -> None:
         with self._lock:

@@ -73,7 +73,14 @@ class CacheAwareThresholds:
 
 
 class CacheAwarePolicy:
-    """Prefix-cache-aware routing guarded by a load-imbalance check."""
+    """Prefix-cache-aware routing guarded by a load-imbalance check.
+
+    Args:
+        thresholds: when affinity may win over load.
+        index: which prefixes each replica holds: the approximate ``PrefixIndex`` over prompt text (the
+            default), or a ``kv_events.KVEventIndex`` over token ids, fed by the engines' own events.
+            ``choose``'s ``text`` is whatever key the index hashes.
+    """
 
     def __init__(self, thresholds: CacheAwareThresholds | None = None, index: PrefixIndex | None = None) -> None:
         self.thresholds = thresholds or CacheAwareThresholds()
@@ -183,12 +190,13 @@ class PowerOfTwoPolicy:
 POLICIES = ("cache_aware", "session", "round_robin", "power_of_two", "least_loaded")
 
 
-def make_policy(name: str, **thresholds: float) -> ReplicaPolicy:
-    """Builds a policy by its config name; thresholds apply to cache_aware (and session's fallback)."""
+def make_policy(name: str, index: PrefixIndex | None = None, **thresholds: float) -> ReplicaPolicy:
+    """Builds a policy by its config name; thresholds and the prefix index apply to cache_aware (and
+    session's fallback)."""
     if name == "cache_aware":
-        return CacheAwarePolicy(CacheAwareThresholds(**thresholds))
+        return CacheAwarePolicy(CacheAwareThresholds(**thresholds), index)
     if name == "session":
-        return SessionAffinityPolicy(CacheAwarePolicy(CacheAwareThresholds(**thresholds)))
+        return SessionAffinityPolicy(CacheAwarePolicy(CacheAwareThresholds(**thresholds), index))
     if name == "round_robin":
         return RoundRobinPolicy()
     if name == "power_of_two":

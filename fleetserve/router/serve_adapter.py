@@ -17,6 +17,7 @@ from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
 from fleetserve.router import decisions
+from fleetserve.router.kv_events import KVEventIndex, KVEventSubscriber
 from fleetserve.router.replica_policy import ReplicaLoad, make_policy
 
 logger = logging.getLogger(__name__)
@@ -33,17 +34,57 @@ def request_text(request: Any) -> tuple[str, str | None]:
     return text, getattr(request, "session_id", None)
 
 
+class EventKeys:
+    """Routing keys for prefix_source kv_events: each request's prompt token ids, tokenized exactly as the
+    engine does, and a subscription to every replica's KV event stream."""
+
+    def __init__(self, tokenizer_source: str) -> None:
+        from transformers import AutoTokenizer
+
+        from fleetserve.platform.engine import KV_EVENTS_TOPIC
+        from fleetserve.platform.model_store import resolve_source
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_source(tokenizer_source)))
+        self.index = KVEventIndex()
+        self.subscriber = KVEventSubscriber(self.index, topic=KV_EVENTS_TOPIC)
+
+    def follow(self, replicas: list[RunningReplica]) -> None:
+        for replica in replicas:
+            stats = replica.routing_stats or {}
+            if "kv_events_endpoint" in stats:
+                self.subscriber.follow(replica.replica_id.unique_id, stats["kv_events_endpoint"])
+                self.index.block_size = self.index.block_size or int(stats["kv_block_size"])
+
+    def key(self, request: Any) -> list[int]:
+        from fleetserve.platform.engine import chat_token_ids
+
+        messages = getattr(request, "messages", None)
+        if messages is not None:
+            try:
+                return chat_token_ids(self.tokenizer, messages)
+            except ValueError:
+                return []  # the engine will reject it; any replica can say so
+        prompt = getattr(request, "prompt", None)
+        return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt or [])
+
+
 class FleetserveRequestRouter(FIFOMixin, RequestRouter):
     """Chooses replicas with a ``fleetserve.router.replica_policy`` policy."""
 
-    def initialize_state(self, policy: str = "cache_aware", **thresholds: Any) -> None:
-        self.policy = make_policy(policy, **thresholds)
+    def initialize_state(self, policy: str = "cache_aware", prefix_source: str = "routed",
+                         tokenizer_source: str | None = None, **thresholds: Any) -> None:
+        self.event_keys = EventKeys(tokenizer_source) if prefix_source == "kv_events" else None
+        index = self.event_keys.index if self.event_keys is not None else None
+        self.policy = make_policy(policy, index, **thresholds)
         self.outstanding: Counter[str] = Counter()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = [replica.replica_id.unique_id for replica in replicas]
         self.policy.forget(live)
+        if self.event_keys is not None:
+            for replica_id in set(self.event_keys.subscriber.followed()) - set(live):
+                self.event_keys.subscriber.unfollow(replica_id)
         for replica_id in [key for key in self.outstanding if key not in live]:
             del self.outstanding[replica_id]
 
@@ -56,6 +97,9 @@ class FleetserveRequestRouter(FIFOMixin, RequestRouter):
         pending_request.routing_context.should_backoff = True
         request = pending_request.args[0]
         text, session_id = request_text(request)
+        if self.event_keys is not None:
+            self.event_keys.follow(candidate_replicas)
+            text = self.event_keys.key(request)
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         loads = [ReplicaLoad(replica_id, self.outstanding[replica_id],
                              (replica.routing_stats or {}).get("kv_cache_usage"))

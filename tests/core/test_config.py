@@ -93,3 +93,24 @@ def test_routed_example_resolves_checkpoints_next_to_the_file():
     assert table.names() == ["auto", "auto-mf"]
     assert table.resolve("auto").tiers == ("tiny", "smollm2")
     assert table.resolve("auto").checkpoint_models == ("mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview")
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ({"routing": {"policy": "round_robin", "prefix_source": "kv_events"}}, "policy round_robin ignores it"),
+    ({"routing": {"prefix_source": "kv_events"}, "engine_args": {"enable_prefix_caching": False}},
+     "needs engine_args.enable_prefix_caching"),
+    ({"routing": {"prefix_source": "kv_events"}, "engine_args": {"extra": {"kv_events_config": {}}}},
+     "the platform sets it"),
+    ({"routing": {"prefix_source": "kv_events"},
+      "disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}, "not supported for disaggregated"),
+])
+def test_kv_event_routing_config_errors(model, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse_config({"models": [{"name": "m", "source": "tiny-random-llama", **model}]})
+
+
+def test_kv_event_routing_reaches_the_request_router():
+    model = parse_config({"models": [{"name": "m", "source": "tiny-random-llama",
+                                      "routing": {"prefix_source": "kv_events"}}]}).models[0]
+    kwargs = model.deployment_options()["request_router_config"]["request_router_kwargs"]
+    assert (kwargs["policy"], kwargs["prefix_source"]) == ("cache_aware", "kv_events")

@@ -139,3 +139,25 @@ def test_real_engine_events_track_its_prefix_cache(engine_with_events):
 
     asyncio.run(scenario())
     assert subscriber.num_gaps == 0 and index.num_orphan_blocks == 0
+
+
+def test_routed_blocks_count_until_their_ttl_unless_events_confirm():
+    from fleetserve.router.kv_events import PENDING_TTL_S
+
+    now = [0.0]
+    index = KVEventIndex(block_size=4, clock=lambda: now[0])
+    tokens = list(range(1, 9))
+    index.insert("a", index.hashes(tokens))
+    # Just routed: both blocks count on a, so the next request of the burst follows.
+    assert matched(index, tokens) == (2, 2)
+    # The engine stored only the first block (the request was aborted mid-prefill, say).
+    index.apply("a", stored([101], tokens[:4]))
+    now[0] = PENDING_TTL_S + 0.1
+    assert matched(index, tokens) == (1, 2)
+
+
+def test_no_block_size_yet_matches_nothing():
+    index = KVEventIndex()
+    assert index.hashes(list(range(300))) == []
+    index.block_size = 4
+    assert len(index.hashes(list(range(9)))) == 2
