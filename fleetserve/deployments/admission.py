@@ -119,12 +119,14 @@ class AdmissionController:
         if limits.max_queue_wait_s is None or not serving:
             return AdmissionDecision(True, 0, None, in_flight, bound)
         num_replicas = len(serving)
-        running = sum(load.stats.num_running for load in serving)
+        # Requests this ingress has streaming: fresher than the engines' running counts, which lag a
+        # second, so a slot freed since the last report is seen at once.
+        started = in_flight - unstarted
         waiting = sum(load.stats.num_waiting for load in self.loads)
         kv_usage = sum(load.stats.kv_cache_usage for load in serving) / num_replicas
         slots = self.max_num_seqs * num_replicas
         # Engines with nothing waiting and KV to spare start what they are sent, up to max_num_seqs.
-        headroom = max(0, slots - running) if waiting == 0 and kv_usage < KV_SATURATED else 0
+        headroom = max(0, slots - started) if waiting == 0 and kv_usage < KV_SATURATED else 0
         # Queued is the largest of three views: the engines' waiting requests (from every ingress); requests
         # here without a first token beyond the free slots; and requests here beyond all the engines' slots,
         # which wait for a slot or for the response path to deliver output the engines already made.

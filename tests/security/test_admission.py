@@ -57,11 +57,12 @@ def test_engine_waiting_counts_even_when_this_ingress_holds_little():
 
 def test_free_engine_slots_absorb_a_burst_before_the_queue_bound():
     admission, _ = controller(replicas=2, max_num_seqs=4)
-    admission.observe([load("a", num_running=2, kv_cache_usage=0.5), load("b", num_running=1, kv_cache_usage=0.3)])
-    # Nothing waits and KV has room: headroom = 4 x 2 - 3 = 5 slots start at once; floor = 2 x 2 = 4.
+    admission.observe([load("a", num_running=6, kv_cache_usage=0.5), load("b", num_running=2, kv_cache_usage=0.3)])
+    # Nothing waits and KV has room. The engines last reported 8 running, but of the 11 requests here only
+    # 3 stream now (11 - 8 unstarted): headroom = 4 x 2 - 3 = 5 slots start at once; floor = 2 x 2 = 4.
     # 8 unstarted + 1 = 9; 9 - 5 headroom = 4 queued <= 4.
     assert admission.decide(11, 8).admitted
-    assert not admission.decide(11, 9).admitted  # 5 queued > 4
+    assert not admission.decide(12, 9).admitted  # 3 streaming still: 10 - 5 = 5 queued > 4
 
 
 def test_requests_beyond_all_engine_slots_count_as_queued():
