@@ -30,8 +30,8 @@ MAX_RETRY_AFTER_S = 60
 
 
 @dataclass(frozen=True)
-class ReplicaLoad:
-    """One engine replica's last report, as the metrics hub holds it."""
+class EngineReport:
+    """One engine replica's last report, as the metrics hub holds it (not the router's ReplicaLoad)."""
 
     replica_id: str
     # colocated, prefill or decode.
@@ -74,11 +74,11 @@ class AdmissionController:
         serving = (model.pool_model("decode") if model is not None and model.disaggregation is not None else model)
         seqs = serving.engine_args.max_num_seqs if serving is not None else None
         self.max_num_seqs = seqs or DEFAULT_MAX_NUM_SEQS
-        self.loads: list[ReplicaLoad] = []
+        self.loads: list[EngineReport] = []
         # (monotonic time, finished count per replica id), newest last, spanning RATE_WINDOW_S.
         self._history: deque[tuple[float, dict[str, int]]] = deque()
 
-    def observe(self, loads: list[ReplicaLoad]) -> None:
+    def observe(self, loads: list[EngineReport]) -> None:
         """Takes the engines' latest reports (all pools of the model)."""
         now = self.clock()
         self.loads = loads
@@ -97,7 +97,7 @@ class AdmissionController:
         finished = sum(max(0, after[rid] - before[rid]) for rid in after.keys() & before.keys())
         return finished / (end - start)
 
-    def _serving(self) -> list[ReplicaLoad]:
+    def _serving(self) -> list[EngineReport]:
         return [load for load in self.loads if load.pool in ("colocated", "decode")]
 
     def decide(self, num_in_flight: int, num_unstarted: int | None = None) -> AdmissionDecision:

@@ -20,7 +20,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from fleetserve.deployments.admission import AdmissionController, ReplicaLoad
+from fleetserve.deployments.admission import AdmissionController, EngineReport
 from fleetserve.deployments.engine_server import EngineChunk, EngineRequest, EngineServer
 from fleetserve.deployments.protocol import (
     HEADER_MODEL,
@@ -150,7 +150,7 @@ OPEN_PATHS = ("/health", "/openapi.json", "/docs")
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
 # Engines' latest stats per model, for admission control.
-LoadSource = Callable[[], Awaitable[dict[str, list[ReplicaLoad]]]]
+LoadSource = Callable[[], Awaitable[dict[str, list[EngineReport]]]]
 # Seconds between admission control's reads of the engines' stats.
 LOAD_REFRESH_S = 0.5
 

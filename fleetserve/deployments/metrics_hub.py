@@ -11,7 +11,7 @@ from collections import Counter
 
 from ray import serve
 
-from fleetserve.deployments.admission import ReplicaLoad
+from fleetserve.deployments.admission import EngineReport
 from fleetserve.platform.stats import EngineStats
 
 
@@ -45,13 +45,13 @@ class MetricsHub:
         self._latest.pop(replica_id, None)
         self._stats.pop(replica_id, None)
 
-    async def loads(self) -> dict[str, list[ReplicaLoad]]:
+    async def loads(self) -> dict[str, list[EngineReport]]:
         """Every live replica's latest engine stats, per model."""
         self._prune()
-        loads: dict[str, list[ReplicaLoad]] = {}
+        loads: dict[str, list[EngineReport]] = {}
         for replica_id, stats in self._stats.items():
             model, pool, _, _ = self._latest[replica_id]
-            loads.setdefault(model, []).append(ReplicaLoad(replica_id, pool, stats))
+            loads.setdefault(model, []).append(EngineReport(replica_id, pool, stats))
         return loads
 
     async def collect(self) -> tuple[list[bytes], dict[tuple[str, str], int]]:

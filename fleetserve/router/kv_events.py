@@ -12,7 +12,6 @@ Pure Python apart from pyzmq and msgspec (both vLLM dependencies); no Ray.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -20,11 +19,11 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from fleetserve.router.prefix_index import PrefixMatch
+from fleetserve.router.prefix_index import PrefixMatch, chained_hashes, num_leading
 
 logger = logging.getLogger(__name__)
 # The chain's seed: the hash "before" a prompt's first block.
-ROOT_HASH = b"\0" * 8
+ROOT_HASH = b""
 # Seconds the blocks of a prompt just routed to a replica count as held there before its engine's events
 # confirm them: enough for the prefill to run and BlockStored to arrive, so a burst sharing a prefix
 # stays together instead of scattering while the first request is still prefilling.
@@ -34,12 +33,8 @@ PENDING_TTL_S = 5.0
 def token_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH) -> list[bytes]:
     """Chained hashes of the full ``block_size``-token blocks of ``token_ids`` (a partial last block is
     not cached by vLLM, so it is left out); block i's hash covers blocks 0..i."""
-    hashes = []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        block = b"".join(int(token).to_bytes(4, "little", signed=False) for token in token_ids[start:start + block_size])
-        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
-        hashes.append(parent)
-    return hashes
+    return chained_hashes((b"".join(int(token).to_bytes(4, "little") for token in token_ids[start:start + block_size])
+                           for start in range(0, len(token_ids) - block_size + 1, block_size)), parent)
 
 
 class KVEventIndex:
@@ -130,11 +125,7 @@ class KVEventIndex:
             for replica_id in replica_ids:
                 held = self._held.get(replica_id, Counter())
                 pending = self._pending.get(replica_id, {})
-                num_matched = 0
-                for block_hash in hashes:
-                    if block_hash not in held and pending.get(block_hash, 0.0) <= now:
-                        break
-                    num_matched += 1
+                num_matched = num_leading(hashes, lambda h: h in held or pending.get(h, 0.0) > now)
                 matches.append(PrefixMatch(replica_id, num_matched, len(hashes)))
             return matches
 

@@ -11,18 +11,34 @@ from __future__ import annotations
 
 import hashlib
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+
+
+def chained_hashes(blocks: Iterable[bytes], parent: bytes = b"") -> list[bytes]:
+    """Each block's hash chained over every block before it (and ``parent``): a match on block i
+    implies the whole prefix before it matches."""
+    hashes = []
+    for block in blocks:
+        parent = hashlib.blake2b(parent + block, digest_size=8).digest()
+        hashes.append(parent)
+    return hashes
+
+
+def num_leading(hashes: Iterable[bytes], holds: Callable[[bytes], bool]) -> int:
+    """How many of a prompt's chained hashes are held before the first miss (which ends the prefix)."""
+    count = 0
+    for block in hashes:
+        if not holds(block):
+            break
+        count += 1
+    return count
 
 
 def block_hashes(text: str, block_chars: int) -> list[bytes]:
     """Chained hashes of the text's full blocks (a trailing partial block is not cacheable)."""
-    hashes = []
-    previous = b""
-    for start in range(0, len(text) - block_chars + 1, block_chars):
-        previous = hashlib.blake2b(previous + text[start:start + block_chars].encode(), digest_size=8).digest()
-        hashes.append(previous)
-    return hashes
+    return chained_hashes(text[start:start + block_chars].encode()
+                          for start in range(0, len(text) - block_chars + 1, block_chars))
 
 
 @dataclass(frozen=True)
@@ -64,12 +80,7 @@ class PrefixIndex:
         matches = []
         for replica_id in replica_ids:
             blocks = self._blocks.get(replica_id, {})
-            matched = 0
-            for block in hashes:  # chained hashes: the first miss ends the prefix
-                if block not in blocks:
-                    break
-                matched += 1
-            matches.append(PrefixMatch(replica_id, matched, len(hashes)))
+            matches.append(PrefixMatch(replica_id, num_leading(hashes, blocks.__contains__), len(hashes)))
         return matches
 
     def insert(self, replica_id: str, hashes: list[bytes]) -> None:

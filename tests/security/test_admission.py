@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetserve.deployments.admission import AdmissionController, ReplicaLoad
+from fleetserve.deployments.admission import AdmissionController, EngineReport
 from fleetserve.platform.config import LimitsConfig, ModelConfig
 from fleetserve.platform.stats import EngineStats
 
@@ -24,8 +24,8 @@ def controller(replicas: int = 1, max_num_seqs: int = 4, **limits) -> tuple[Admi
     return AdmissionController(model, LimitsConfig(**limits), clock), clock
 
 
-def load(replica_id: str = "a", pool: str = "colocated", **stats) -> ReplicaLoad:
-    return ReplicaLoad(replica_id, pool, EngineStats(**stats))
+def load(replica_id: str = "a", pool: str = "colocated", **stats) -> EngineReport:
+    return EngineReport(replica_id, pool, EngineStats(**stats))
 
 
 def test_queue_bound_is_what_the_engines_drain_within_max_wait():
