@@ -16,7 +16,8 @@ from typing import Literal, Protocol
 
 Pool = Literal["colocated", "prefill", "decode"]
 # Why a decision came out as it did; every decision carries exactly one.
-Reason = Literal["hold", "kv_high", "queue", "ttft", "kv_low", "cooldown", "idle_to_zero", "wake",
+Reason = Literal["hold", "kv_high", "prefill_high", "queue", "ttft", "kv_low", "prefill_low", "cooldown",
+                 "idle_to_zero", "wake",
                  "min_replicas", "max_replicas", "stabilizing", "ongoing_requests", "queue_depth"]
 
 
@@ -32,6 +33,10 @@ class ReplicaSignals:
     num_running: int = 0
     # Prompt plus generated tokens per second, recently.
     tokens_per_s: float = 0.0
+    # Prompt tokens the engine computed per second, recently (prefix-cache hits excluded: no work).
+    prompt_tokens_per_s: float = 0.0
+    # Prompt tokens of the requests on this replica that have no first token yet (its prefill backlog).
+    num_pending_prompt_tokens: int = 0
     # Mean time to first token of requests that started recently; None when none did.
     ttft_s: float | None = None
 
@@ -129,32 +134,58 @@ class KVCacheConfig:
     """fleetserve's KV-cache policy for one pool (see ``KVCachePolicy``)."""
 
     pool: Pool = "colocated"
-    # Scale up when mean KV usage over the window exceeds this.
+    # Scale up when mean KV usage over the window exceeds this (to the count that brings it back to it).
     target_high: float = 0.75
-    # Scale down only after mean KV usage stays below this for the cooldown.
+    # Scale down once mean KV usage stays below this for the cooldown (to the count that keeps it there).
     target_low: float = 0.35
+    # One replica's prefill throughput in prompt tokens/s (benchmarks/autoscaling.py calibrate measures
+    # it); None: the prefill-work rule cannot run and prefill load is seen only through queues and TTFT.
+    prefill_tokens_per_s: float | None = None
+    # Prefill and colocated pools: the share of the pool's prefill throughput that prompt-token demand
+    # may take before the pool grows (high), and below which it may shrink (low).
+    target_prefill_high: float = 0.6
+    target_prefill_low: float = 0.3
     # Scale up when requests not yet running exceed this many per replica.
     max_waiting_per_replica: float = 2.0
     # Prefill and colocated pools: scale up when recent mean TTFT exceeds this.
     ttft_target_s: float = 2.0
-    # Seconds of observations the KV mean covers.
+    # Seconds of observations the KV mean and the prompt-token demand cover.
     window_s: float = 30.0
-    # Seconds usage must stay low (and nothing wait) before one replica is removed.
+    # Seconds the load must stay low (and nothing wait) before replicas are removed; removals are this
+    # far apart.
     scale_down_cooldown_s: float = 120.0
     # With min_replicas 0: seconds with no work at all before scaling to zero.
     idle_to_zero_s: float = 300.0
     limits: Limits = field(default_factory=Limits)
 
 
-class KVCachePolicy:
-    """Scales a pool on KV-cache usage and queued work.
+@dataclass(frozen=True)
+class PoolLoad:
+    """What a pool's ready replicas carry, in replicas' worth, averaged over the policy's window."""
 
-    * decode pools: up when mean KV usage over the window exceeds ``target_high``, or when more than
-      ``max_waiting_per_replica`` requests per replica are not yet running;
-    * prefill pools: up on queued work, or when recent TTFT exceeds ``ttft_target_s``;
-    * colocated pools: all three rules;
-    * down by one only after usage stays below ``target_low`` with nothing waiting for
-      ``scale_down_cooldown_s`` (between the two targets it holds: hysteresis);
+    # Sum of the replicas' KV usage: 1.0 is one replica's whole KV cache.
+    kv: float
+    # Prompt-token demand (computed plus backlog growth) over one replica's prefill throughput;
+    # None without a prefill throughput.
+    prefill: float | None
+
+
+class KVCachePolicy:
+    """Scales a pool on what fills it: KV-cache usage, prefill work and queued requests.
+
+    Each rule sizes the pool from the load its ready replicas carry, and compares that size with every
+    replica it has, starting ones included, so a scale-up under way is not asked for twice:
+
+    * KV (decode, colocated): ``ceil(sum of KV usage / target_high)`` once mean usage exceeds it;
+    * prefill work (prefill, colocated, with ``prefill_tokens_per_s``): ``ceil(demand /
+      (prefill_tokens_per_s * target_prefill_high))`` once demand exceeds that share of the pool;
+    * queue (all): ``ceil(waiting / max_waiting_per_replica)`` once more than that many per replica wait;
+    * TTFT (prefill, colocated): one more replica while recent mean TTFT exceeds ``ttft_target_s`` and
+      none is starting (TTFT is not proportional to replicas);
+    * down: once the load fits fewer replicas at the low targets (and the requests waiting fit them at
+      ``max_waiting_per_replica``) for ``scale_down_cooldown_s``, to the largest such count seen over that
+      cooldown; between the high and low targets it holds (hysteresis), and it never shrinks while a
+      replica is starting;
     * with ``min_replicas: 0``, to zero after ``idle_to_zero_s`` without work, and back to one on the
       first queued request.
     """
@@ -164,11 +195,40 @@ class KVCachePolicy:
         self.window: deque[PoolObservation] = deque()
         self.low_since: float | None = None
         self.idle_since: float | None = None
+        # (time, replicas the load fits at the low targets) since the load went low, for scale-down.
+        self.low_counts: deque[tuple[float, int]] = deque()
         self.stabilizer = _Stabilizer(config.limits)
 
-    def _mean_kv(self) -> float:
-        samples = [fmean(r.kv_cache_usage for r in obs.replicas) for obs in self.window if obs.replicas]
-        return fmean(samples) if samples else 0.0
+    def _load(self) -> PoolLoad:
+        reporting = [obs for obs in self.window if obs.replicas]
+        if not reporting:
+            return PoolLoad(0.0, None if self.config.prefill_tokens_per_s is None else 0.0)
+        times = [obs.time_s for obs in reporting]
+        kv = fmean(sum(r.kv_cache_usage for r in obs.replicas) for obs in reporting)
+        if self.config.prefill_tokens_per_s is None:
+            return PoolLoad(kv, None)
+        # Demand over each interval between observations: the prompt tokens computed, plus how fast the
+        # backlog grew (a lone observation has no interval: what it computed).
+        computed = [sum(r.prompt_tokens_per_s for r in obs.replicas) for obs in reporting]
+        backlog = [sum(r.num_pending_prompt_tokens for r in obs.replicas) for obs in reporting]
+        intervals = [i for i in range(1, len(reporting)) if times[i] > times[i - 1]]
+        demand = [computed[i] + (backlog[i] - backlog[i - 1]) / (times[i] - times[i - 1]) for i in intervals]
+        if not intervals:
+            demand = [computed[-1]]
+        return PoolLoad(kv, max(0.0, fmean(demand)) / self.config.prefill_tokens_per_s)
+
+    def _sizes(self, load: PoolLoad, high: bool) -> list[tuple[int, Reason]]:
+        """Replicas the load needs at the high (or low) targets, per rule that applies to this pool."""
+        config = self.config
+        sizes: list[tuple[int, Reason]] = []
+        # A prefill pool's KV is transient; without a prefill throughput it is still the only load to shrink on.
+        if config.pool != "prefill" or (not high and load.prefill is None):
+            sizes.append((math.ceil(load.kv / (config.target_high if high else config.target_low) - 1e-9),
+                          "kv_high" if high else "kv_low"))
+        if config.pool != "decode" and load.prefill is not None:
+            target = config.target_prefill_high if high else config.target_prefill_low
+            sizes.append((math.ceil(load.prefill / target - 1e-9), "prefill_high" if high else "prefill_low"))
+        return sizes
 
     def _raw(self, obs: PoolObservation) -> Decision:
         config, current = self.config, obs.num_replicas
@@ -176,39 +236,51 @@ class KVCachePolicy:
             if obs.num_ongoing > 0:
                 return Decision(1, "wake", f"{obs.num_ongoing} request(s) arrived with no replica")
             return Decision(0, "hold", "scaled to zero, no work")
-        mean_kv = self._mean_kv()
+        load = self._load()
+        ready = len(obs.replicas)
+        starting = max(0, current - ready)
         waiting_per_replica = obs.num_waiting / current
         ttfts = [r.ttft_s for r in obs.replicas if r.ttft_s is not None]
         ttft = fmean(ttfts) if ttfts else None
-        detail = (f"kv {mean_kv:.2f} over {config.window_s:g}s, waiting {obs.num_waiting} "
-                  f"({waiting_per_replica:.1f}/replica), ttft {ttft if ttft is None else round(ttft, 3)}")
-        wants: list[tuple[int, Reason]] = []
-        if config.pool != "prefill" and mean_kv > config.target_high:
-            wants.append((math.ceil(current * mean_kv / config.target_high), "kv_high"))
+        mean_kv = load.kv / ready if ready else 0.0
+        prefill = "" if load.prefill is None else f", prefill {load.prefill:.2f} replicas' worth"
+        detail = (f"kv {mean_kv:.2f} over {config.window_s:g}s{prefill}, waiting {obs.num_waiting} "
+                  f"({waiting_per_replica:.1f}/replica), ttft {ttft if ttft is None else round(ttft, 3)}"
+                  + (f", {starting} starting" if starting else ""))
+        wants = [(size, reason) for size, reason in self._sizes(load, high=True) if size > current]
         if waiting_per_replica > config.max_waiting_per_replica:
             wants.append((math.ceil(obs.num_waiting / config.max_waiting_per_replica), "queue"))
-        if config.pool != "decode" and ttft is not None and ttft > config.ttft_target_s:
-            # One more: TTFT is not proportional to replicas (a long prompt's prefill takes what it takes).
+        if config.pool != "decode" and ttft is not None and ttft > config.ttft_target_s and not starting:
             wants.append((current + 1, "ttft"))
         if wants:
             self.low_since = self.idle_since = None
+            self.low_counts.clear()
             desired, reason = max(wants, key=lambda want: want[0])
             return Decision(max(desired, current + 1), reason, detail)
-        return self._maybe_down(obs, mean_kv, detail)
+        return self._maybe_down(obs, load, detail)
 
-    def _maybe_down(self, obs: PoolObservation, mean_kv: float, detail: str) -> Decision:
+    def _maybe_down(self, obs: PoolObservation, load: PoolLoad, detail: str) -> Decision:
         config, current, now = self.config, obs.num_replicas, obs.time_s
         idle = obs.num_ongoing == 0
         self.idle_since = (self.idle_since if self.idle_since is not None else now) if idle else None
         if config.limits.min_replicas == 0 and idle and now - self.idle_since >= config.idle_to_zero_s:
             return Decision(0, "idle_to_zero", f"no work for {now - self.idle_since:.0f}s")
-        if mean_kv >= config.target_low or obs.num_waiting > 0 or current <= config.limits.min_replicas:
+        fits, reason = max(self._sizes(load, high=False), key=lambda size: size[0])
+        # Never so few that the requests waiting now would ask for a replica back.
+        fits = max(fits, math.ceil(obs.num_waiting / config.max_waiting_per_replica), config.limits.min_replicas, 1)
+        if fits >= current or len(obs.replicas) < current:
             self.low_since = None
+            self.low_counts.clear()
             return Decision(current, "hold", detail)
         self.low_since = self.low_since if self.low_since is not None else now
+        self.low_counts.append((now, fits))
+        while self.low_counts[0][0] < now - config.scale_down_cooldown_s:
+            self.low_counts.popleft()
         if now - self.low_since >= config.scale_down_cooldown_s:
             self.low_since = now  # the next removal waits a full cooldown again
-            return Decision(current - 1, "kv_low", detail)
+            desired = max(count for _, count in self.low_counts)
+            self.low_counts.clear()
+            return Decision(desired, reason, f"{detail}; fits {desired} at the low targets")
         return Decision(current, "cooldown", f"{detail}; low for {now - self.low_since:.0f}s")
 
     def decide(self, observation: PoolObservation) -> Decision:

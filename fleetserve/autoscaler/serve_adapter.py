@@ -22,7 +22,8 @@ from fleetserve.autoscaler.policy import KVCacheConfig, KVCachePolicy, Limits, P
 logger = logging.getLogger("ray.serve")
 METRICS_ACTOR = "fleetserve-autoscaler-metrics"
 METRICS_NAMESPACE = "fleetserve"
-SIGNALS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "ttft_s")
+SIGNALS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "prompt_tokens_per_s",
+           "num_pending_prompt_tokens", "ttft_s")
 
 
 @ray.remote(num_cpus=0)
@@ -68,6 +69,8 @@ def _signals(metrics: dict[str, dict[Any, float]], replica_ids: list[Any]) -> tu
                                       num_waiting=int(round(values["num_waiting"] or 0)),
                                       num_running=int(round(values["num_running"] or 0)),
                                       tokens_per_s=float(values["tokens_per_s"] or 0.0),
+                                      prompt_tokens_per_s=float(values["prompt_tokens_per_s"] or 0.0),
+                                      num_pending_prompt_tokens=int(round(values["num_pending_prompt_tokens"] or 0)),
                                       ttft_s=None if ttft is None or math.isnan(ttft) else float(ttft)))
     return tuple(signals)
 

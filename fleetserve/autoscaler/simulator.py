@@ -70,6 +70,8 @@ class _Replica:
     draining: bool = False
     running: list[_Request] = field(default_factory=list)
     recent_ttfts: list[float] = field(default_factory=list)
+    # Prompt tokens prefilled since the last decision (what the engine reports as computed).
+    recent_prompt_tokens: int = 0
 
     @property
     def reserved_tokens(self) -> int:
@@ -97,6 +99,7 @@ class _Replica:
         end = self.clock_s + duration
         for request in decoding:
             request.generated += 1
+        self.recent_prompt_tokens += prefill_tokens
         for request, chunk in chunks:
             request.prefilled += chunk
             if request.prefilled == request.spec.prompt_tokens:  # the first token comes with the last chunk
@@ -205,7 +208,7 @@ def simulate(trace: list[TraceRequest], policy: Policy, profile: ReplicaProfile 
         replicas = [r for r in replicas if not (r.draining and not r.running)]
         if now + 1e-9 >= next_decision:
             next_decision += decision_interval_s
-            timeline.append(_decide(policy, replicas, queue, now, profile))
+            timeline.append(_decide(policy, replicas, queue, now, profile, decision_interval_s))
             replicas = _apply(timeline[-1].decision.desired_replicas, replicas, now, profile)
         if not pending and not queue and now > last_arrival_s and all(not r.running for r in replicas):
             break
@@ -213,7 +216,7 @@ def simulate(trace: list[TraceRequest], policy: Policy, profile: ReplicaProfile 
 
 
 def _decide(policy: Policy, replicas: list[_Replica], queue: deque, now: float,
-            profile: ReplicaProfile) -> TimelinePoint:
+            profile: ReplicaProfile, interval_s: float) -> TimelinePoint:
     ready = [r for r in replicas if r.ready_s <= now and not r.draining]
     signals = []
     ttfts: list[float] = []
@@ -222,11 +225,14 @@ def _decide(policy: Policy, replicas: list[_Replica], queue: deque, now: float,
         # not started is still waiting.
         usage = sum(r.prefilled + r.generated for r in replica.running) / profile.kv_capacity_tokens
         waiting = sum(1 for r in replica.running if r.prefilled == 0)
+        pending = sum(r.spec.prompt_tokens for r in replica.running if r.first_token_s is None)
         signals.append(ReplicaSignals(kv_cache_usage=usage, num_waiting=waiting,
                                       num_running=len(replica.running) - waiting,
+                                      prompt_tokens_per_s=replica.recent_prompt_tokens / interval_s,
+                                      num_pending_prompt_tokens=pending,
                                       ttft_s=fmean(replica.recent_ttfts) if replica.recent_ttfts else None))
         ttfts += replica.recent_ttfts
-        replica.recent_ttfts = []
+        replica.recent_ttfts, replica.recent_prompt_tokens = [], 0
     serving = [r for r in replicas if not r.draining]
     observation = PoolObservation(now, len(serving), tuple(signals), len(queue))
     decision = policy.decide(observation)

@@ -78,6 +78,8 @@ class EngineServer:
         self.metrics = EngineMetrics(model.name, replica_id, self.pool)
         # (monotonic time, stats) at the previous autoscaling_signals() call, for per-interval rates.
         self._last_signals: tuple[float, EngineStats] | None = None
+        # Prompt tokens of requests on this replica with no output yet: the prefill backlog autoscaling reads.
+        self.num_pending_prompt_tokens = 0
         path = Path(model_path) if model_path is not None else resolve_source(model.source)
         extra = {"kv_transfer": kv_transfer} if kv_transfer is not None else {}
         if kv_events_port is not None:
@@ -106,8 +108,21 @@ class EngineServer:
         """
         started_at = time.time()
         prompt_ids = self._prompt_ids(request)
-        async for delta in self.engine.generate(prompt_ids, request.options, request.request_id):
+        async for delta in self._until_first_output(len(prompt_ids), self.engine.generate(
+                prompt_ids, request.options, request.request_id)):
             yield EngineChunk(self.replica_id, delta, started_at)
+
+    async def _until_first_output(self, num_prompt_tokens: int, deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
+        """Passes ``deltas`` through, counting the prompt as prefill backlog until its first output."""
+        pending = num_prompt_tokens
+        self.num_pending_prompt_tokens += pending
+        try:
+            async for delta in deltas:
+                self.num_pending_prompt_tokens -= pending
+                pending = 0
+                yield delta
+        finally:
+            self.num_pending_prompt_tokens -= pending
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -119,18 +134,21 @@ class EngineServer:
         await self.engine.check_health()
 
     def autoscaling_signals(self) -> dict[str, float]:
-        """What the autoscaling policy reads: KV usage and queues now; TTFT and tokens/s since the
-        previous call (TTFT only when a request got its first token meanwhile)."""
+        """What the autoscaling policy reads: KV usage, queues and the prefill backlog now; TTFT and
+        tokens/s since the previous call (TTFT only when a request got its first token meanwhile)."""
         stats = self.engine.stats()
         now = time.monotonic()
         previous, self._last_signals = self._last_signals, (now, stats)
         signals = {"kv_cache_usage": stats.kv_cache_usage, "num_waiting": float(stats.num_waiting),
-                   "num_running": float(stats.num_running)}
+                   "num_running": float(stats.num_running),
+                   "num_pending_prompt_tokens": float(self.num_pending_prompt_tokens)}
         if previous is not None and now > previous[0]:
             before = previous[1]
             tokens = (stats.num_prompt_tokens + stats.num_generation_tokens
                       - before.num_prompt_tokens - before.num_generation_tokens)
             signals["tokens_per_s"] = tokens / (now - previous[0])
+            computed = stats.num_computed_prompt_tokens - before.num_computed_prompt_tokens
+            signals["prompt_tokens_per_s"] = computed / (now - previous[0])
             firsts = stats.num_first_tokens - before.num_first_tokens
             if firsts > 0:
                 signals["ttft_s"] = (stats.ttft_sum_s - before.ttft_sum_s) / firsts

@@ -87,11 +87,18 @@ class AutoscalingConfig(_Strict):
     policy: Literal["kv_cache", "ray_default"] = "kv_cache"
     min_replicas: int = Field(default=1, ge=0)
     max_replicas: int = Field(default=4, ge=1)
-    # kv_cache: which signals apply (decode: KV and queue; prefill: queue and TTFT; colocated: all).
+    # kv_cache: which signals apply (decode: KV and queue; prefill: prefill work, queue and TTFT; colocated: all).
     pool: Literal["colocated", "prefill", "decode"] = "colocated"
     # kv_cache: up above this mean KV usage; down only after it stays below target_low for the cooldown.
     target_high: float = Field(default=0.75, gt=0, le=1)
     target_low: float = Field(default=0.35, ge=0, lt=1)
+    # kv_cache: one replica's prefill throughput in prompt tokens/s (measure it with
+    # benchmarks/autoscaling.py calibrate); None leaves prefill load to the queue and TTFT rules.
+    prefill_tokens_per_s: float | None = Field(default=None, gt=0)
+    # kv_cache: prefill and colocated pools grow when prompt-token demand exceeds this share of the pool's
+    # prefill throughput, and may shrink once it falls below target_prefill_low.
+    target_prefill_high: float = Field(default=0.6, gt=0, le=1)
+    target_prefill_low: float = Field(default=0.3, ge=0, lt=1)
     # kv_cache: up when more requests than this per replica are not yet running.
     max_waiting_per_replica: float = Field(default=2.0, gt=0)
     # kv_cache: prefill and colocated pools scale up when recent mean TTFT exceeds this.
@@ -117,11 +124,15 @@ class AutoscalingConfig(_Strict):
             raise ValueError(f"min_replicas ({self.min_replicas}) exceeds max_replicas ({self.max_replicas})")
         if self.target_low >= self.target_high:
             raise ValueError(f"target_low ({self.target_low}) must be below target_high ({self.target_high})")
+        if self.target_prefill_low >= self.target_prefill_high:
+            raise ValueError(f"target_prefill_low ({self.target_prefill_low}) must be below target_prefill_high "
+                             f"({self.target_prefill_high})")
         return self
 
     def policy_kwargs(self, model: str) -> dict[str, Any]:
         """Constructor arguments of fleetserve.autoscaler.serve_adapter.KVCacheServePolicy."""
-        knobs = self.model_dump(include={"pool", "target_high", "target_low", "max_waiting_per_replica",
+        knobs = self.model_dump(include={"pool", "target_high", "target_low", "prefill_tokens_per_s",
+                                         "target_prefill_high", "target_prefill_low", "max_waiting_per_replica",
                                          "ttft_target_s", "window_s", "scale_down_cooldown_s", "idle_to_zero_s"})
         limits = self.model_dump(include={"min_replicas", "max_replicas", "max_step_up", "max_step_down",
                                           "upscale_stabilization_s", "downscale_stabilization_s"})

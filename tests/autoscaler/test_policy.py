@@ -104,7 +104,7 @@ def test_limits_clamp_and_say_so():
 def test_scale_to_zero_after_idle_and_wake_on_first_request():
     limits = Limits(min_replicas=0, max_replicas=4, downscale_stabilization_s=0)
     policy = kv_policy(limits=limits, idle_to_zero_s=300, scale_down_cooldown_s=10_000, window_s=1)
-    assert policy.decide(obs(0, 0.0, running=0)).reason == "cooldown"
+    assert policy.decide(obs(0, 0.0, running=0)).reason == "hold"  # one replica is the least the load needs
     decision = policy.decide(obs(300, 0.0, running=0))
     assert (decision.desired_replicas, decision.reason) == (0, "idle_to_zero")
     assert policy.decide(PoolObservation(310, 0)).desired_replicas == 0
@@ -135,3 +135,80 @@ def test_make_policy_reads_yaml_style_specs_and_rejects_unknown_knobs():
         make_policy({"policy": "hpa"})
     with pytest.raises(ValueError, match="bad kv_cache policy settings"):
         make_policy({"policy": "kv_cache", "target_hgih": 0.6})
+
+
+def prefill_obs(time_s: float, *rates: float, pending: tuple[int, ...] = (), num_replicas: int | None = None,
+                waiting: int = 0) -> PoolObservation:
+    """Replicas that computed ``rates`` prompt tokens/s, with ``pending`` prompt tokens of backlog each."""
+    pending = pending or (0,) * len(rates)
+    replicas = tuple(ReplicaSignals(prompt_tokens_per_s=rate, num_pending_prompt_tokens=backlog, num_waiting=waiting)
+                     for rate, backlog in zip(rates, pending))
+    return PoolObservation(time_s, len(rates) if num_replicas is None else num_replicas, replicas)
+
+
+def test_prefill_work_scales_up_to_the_count_that_keeps_it_under_target():
+    policy = kv_policy(prefill_tokens_per_s=1000, target_prefill_high=0.5, window_s=30)
+    decision = policy.decide(prefill_obs(0, 600, 600))
+    # 1200 prompt tokens/s = 1.2 replicas' worth; ceil(1.2 / 0.5) = 3.
+    assert (decision.desired_replicas, decision.reason) == (3, "prefill_high")
+    # 2 x 200 tokens/s = 0.4 replicas' worth; ceil(0.4 / 0.5) = 1 <= 2: holds.
+    assert kv_policy(prefill_tokens_per_s=1000).decide(prefill_obs(0, 200, 200)).reason == "hold"
+
+
+def test_prefill_backlog_growth_counts_as_demand():
+    policy = kv_policy(prefill_tokens_per_s=1000, target_prefill_high=0.6, window_s=30,
+                       limits=Limits(max_replicas=8, max_step_up=8, downscale_stabilization_s=0))
+    assert policy.decide(prefill_obs(0, 300, 300)).reason == "hold"  # 0.6 replicas' worth <= 2 * 0.6
+    decision = policy.decide(prefill_obs(10, 300, 300, pending=(4000, 1000)))
+    # Computed 600 tokens/s plus a backlog grown by 5000 tokens in 10 s: 1100 tokens/s = 1.1 replicas'
+    # worth; ceil(1.1 / 0.6) = 2, no more than the 2 there are.
+    assert decision.reason == "hold"
+    decision = policy.decide(prefill_obs(20, 300, 300, pending=(16000, 4000)))
+    # 600 + 20000 / 20 = 1600 tokens/s -> ceil(1.6 / 0.6) = 3.
+    assert (decision.desired_replicas, decision.reason) == (3, "prefill_high")
+
+
+def test_prefill_rule_needs_a_prefill_throughput():
+    # Without prefill_tokens_per_s (or in a decode pool) the same load is seen only through queues and
+    # TTFT: 2 replicas stay 2 (here on the way down, since their KV is empty).
+    assert kv_policy().decide(prefill_obs(0, 6000, 6000)).desired_replicas == 2
+    assert kv_policy(pool="decode", prefill_tokens_per_s=1000).decide(prefill_obs(0, 6000, 6000)).desired_replicas == 2
+    assert kv_policy(pool="prefill", prefill_tokens_per_s=1000).decide(prefill_obs(0, 6000)).reason == "prefill_high"
+
+
+def test_starting_replicas_count_against_a_scale_up():
+    # 2 ready replicas at 0.9 and one starting: ceil((0.9 + 0.9) / 0.75) = ceil(2.4) = 3 = the 3 there are.
+    assert kv_policy(target_high=0.75).decide(obs(0, 0.9, 0.9, num_replicas=3)).reason == "hold"
+    # At 1.0 each: ceil(2.0 / 0.75) = 3 again; at 1.0 with target 0.6: ceil(3.33) = 4 > 3.
+    decision = kv_policy(target_high=0.6).decide(obs(0, 1.0, 1.0, num_replicas=3))
+    assert (decision.desired_replicas, decision.reason) == (4, "kv_high")
+
+
+def test_ttft_rule_waits_for_a_starting_replica():
+    assert kv_policy().decide(obs(0, 0.1, 0.1, ttft=5.0, num_replicas=3)).reason == "hold"
+    decision = kv_policy().decide(obs(0, 0.1, 0.1, ttft=5.0))
+    assert (decision.desired_replicas, decision.reason) == (3, "ttft")
+
+
+def test_scale_down_goes_to_the_largest_count_the_cooldown_saw():
+    limits = Limits(min_replicas=1, max_replicas=8, max_step_down=4, downscale_stabilization_s=0)
+    policy = kv_policy(prefill_tokens_per_s=1000, target_prefill_low=0.3, scale_down_cooldown_s=20, window_s=1,
+                       limits=limits)
+    # 6 replicas computing 100 tokens/s each: 0.6 replicas' worth; ceil(0.6 / 0.3) = 2 fit at the low target.
+    assert policy.decide(prefill_obs(0, *[100] * 6)).reason == "cooldown"
+    # 6 x 150 = 0.9 replicas' worth -> ceil(0.9 / 0.3) = 3 fit.
+    assert policy.decide(prefill_obs(10, *[150] * 6)).reason == "cooldown"
+    decision = policy.decide(prefill_obs(20, *[100] * 6))
+    # Low for 20 s: down to the largest count of the cooldown, 3 (6 - 3 is within max_step_down 4).
+    assert (decision.desired_replicas, decision.reason) == (3, "prefill_low")
+    assert "fits 3 at the low targets" in decision.detail
+
+
+def test_scale_down_keeps_room_for_waiting_requests_and_starting_replicas():
+    policy = kv_policy(scale_down_cooldown_s=0, window_s=1, max_waiting_per_replica=2,
+                       limits=Limits(min_replicas=1, max_replicas=8, max_step_down=8, downscale_stabilization_s=0))
+    # 4 idle replicas with 1 waiting each: KV fits 1, but 4 waiting / 2 per replica needs 2.
+    decision = policy.decide(obs(0, 0.0, 0.0, 0.0, 0.0, waiting=1))
+    assert (decision.desired_replicas, decision.reason) == (2, "kv_low")
+    # One of 3 replicas still starting: no scale-down until it reports.
+    assert policy.decide(obs(1, 0.0, 0.0, num_replicas=3)).reason == "hold"

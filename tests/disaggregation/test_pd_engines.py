@@ -191,3 +191,25 @@ async def test_too_long_prompt_fails_before_prefill(cluster):
     with pytest.raises(EngineRequestError) as raised:
         await run(decode, [200] * 1020, "too-long", SamplingOptions(max_tokens=10))
     assert raised.value.status_code == 400 and "maximum context length is 1024" in raised.value.message
+
+
+async def test_autoscaling_signals_put_prefill_work_on_the_pool_that_does_it(cluster):
+    decode, prefill = cluster.decode[0], cluster.prefill[0]
+    decode.prefill_client = LocalPrefillClient(cluster.prefill, order=[0])
+    for server in (decode, prefill):
+        server.autoscaling_signals()  # opens the interval the next rates cover
+    before = [server.engine.stats() for server in (decode, prefill)]
+    tasks = [asyncio.ensure_future(run(decode, prompt, f"signals-{i}")) for i, prompt in enumerate(prompts(29))]
+    peaks = [0, 0]
+    while not all(task.done() for task in tasks):
+        peaks = [max(peak, server.num_pending_prompt_tokens) for peak, server in zip(peaks, (decode, prefill))]
+        await asyncio.sleep(0.002)
+    await asyncio.gather(*tasks)
+    signals = [server.autoscaling_signals() for server in (decode, prefill)]
+    computed = [a.num_computed_prompt_tokens - b.num_computed_prompt_tokens
+                for a, b in zip((decode.engine.stats(), prefill.engine.stats()), before)]
+    # Every prompt's KV came from p0: the backlog and the computed tokens are p0's, none are d0's.
+    assert peaks[0] == 0 and 0 < peaks[1] <= sum(PROMPT_LENGTHS)
+    assert computed == [0, sum(PROMPT_LENGTHS)]
+    assert signals[0]["prompt_tokens_per_s"] == 0 and signals[1]["prompt_tokens_per_s"] > 0
+    assert [s["num_pending_prompt_tokens"] for s in signals] == [0, 0]

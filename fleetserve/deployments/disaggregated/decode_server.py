@@ -144,7 +144,10 @@ class DecodeServer(EngineServer):
             prompt_ids = prefill.prompt_token_ids
         params = prefill.kv_transfer_params if prefill is not None else None
         prefill_replica = prefill.replica_id if prefill is not None else None
-        async for delta in self.engine.generate(prompt_ids, request.options, request.request_id, params):
+        # What is left to compute here: the whole prompt, or none of it when its KV came from a prefill replica.
+        local_tokens = 0 if prefill is not None else len(prompt_ids)
+        async for delta in self._until_first_output(local_tokens, self.engine.generate(
+                prompt_ids, request.options, request.request_id, params)):
             yield EngineChunk(self.replica_id, delta, started_at, prefill_replica)
 
 

@@ -67,7 +67,8 @@ class PrefillServer(EngineServer):
         prompt_ids = self._prompt_ids(request)
         self.engine.check_length(len(prompt_ids), request.options.max_tokens)
         last = None
-        async for delta in self.engine.generate(prompt_ids, PREFILL_OPTIONS, request.request_id, REMOTE_DECODE):
+        async for delta in self._until_first_output(len(prompt_ids), self.engine.generate(
+                prompt_ids, PREFILL_OPTIONS, request.request_id, REMOTE_DECODE)):
             last = delta
         if last is None or not last.kv_transfer_params:
             raise PrefillError(f"prefill replica {self.replica_id} returned no KV transfer parameters")
