@@ -2,33 +2,39 @@
 
     .venv/bin/python benchmarks/autoscaling.py calibrate [--out results/autoscaling]   # ~4 min, real vLLM
     .venv/bin/python benchmarks/autoscaling.py compare   [--out results/autoscaling]   # minutes, simulation
+    .venv/bin/python benchmarks/autoscaling.py replot    [--out results/autoscaling]   # compare's plots again
     .venv/bin/python benchmarks/autoscaling.py knobs     [--out results/autoscaling]   # SRE-guide plots
 
 calibrate: measures the tiny model's engine on one core of this machine (KV capacity, prefill speed,
 decode step time against batch size, start-up), writes the ReplicaProfile, then replays a Poisson
 trace against the real engine and against the simulator with that profile, and reports the error.
 
-compare: on a bursty trace (gamma arrivals; chat and long-context traffic peaking in turn), sweeps each
-policy family's main knobs and keeps, per family, the cheapest configuration (replica-seconds) that
+compare: on two bursty 40-minute traces (gamma arrivals; chat and long-context traffic peaking in turn:
+"mix-shift" within a narrow range, "day" from a night at 10% to a daytime peak), sweeps each policy
+family's main knobs and floors and keeps, per family, the cheapest configuration (replica-seconds) that
 reaches 99% TTFT-SLO attainment: fleetserve's KV-cache policy, Ray Serve's default
-(target_ongoing_requests and its delays) and a KEDA-style queue-depth scaler.
+(target_ongoing_requests and its delays), a KEDA-style queue-depth scaler, and a clairvoyant sizing that reads the
+trace's future rates (a bound, not a policy). All simulations run in a process pool.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import itertools
 import json
 import math
+import os
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
 
 from fleetserve.autoscaler.commands import plot_timeline
-from fleetserve.autoscaler.policy import KVCacheConfig, KVCachePolicy, Limits, make_policy
+from fleetserve.autoscaler.policy import Decision, KVCacheConfig, KVCachePolicy, Limits, PoolObservation, make_policy
 from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, simulate
 from fleetserve.autoscaler.traces import TraceRequest, from_rate, ramp
 
@@ -123,98 +129,226 @@ GPU_PROFILE = ReplicaProfile(kv_capacity_tokens=143_000, prefill_tokens_per_s=80
                              decode_step_per_seq_s=0.0003, max_num_seqs=128, max_num_batched_tokens=2048,
                              startup_s=60.0)
 SLO_TARGET = SLO(ttft_s=2.0, tpot_s=0.05)
+DURATION_S = 2400.0
+# Chat and long-context (RAG) requests: mean prompt and output tokens; lengths spread +-50%, gamma
+# arrivals of shape 0.5 (burstier than Poisson).
+CHAT, RAG = (300, 150), (6000, 150)
 
 
-def bursty_trace() -> list[TraceRequest]:
-    """40 minutes of gamma arrivals (burstiness 0.5) whose mix shifts: chat (up to 12 req/s, ~300-token
-    prompts) and long-context RAG (up to 3 req/s, ~6k-token prompts), each peaking while the other
-    ebbs, twice. Request counts and KV needs move in opposite directions."""
-    duration, period = 2400.0, 1200.0
-
-    def chat(t: float) -> float:
-        return 0.5 + 11.5 * (1 + math.cos(2 * math.pi * t / period)) / 2
-
-    def rag(t: float) -> float:
-        return 0.2 + 2.8 * (1 - math.cos(2 * math.pi * t / period)) / 2
-
-    short = from_rate(chat, duration, 300, 150, 0.5, 0.5, 21)
-    long = from_rate(rag, duration, 6000, 150, 0.5, 0.5, 22)
-    return sorted(short + long, key=lambda r: r.arrival_s)
+def _mix_shift_rates(t: float) -> tuple[float, float]:
+    """Chat (up to 12 req/s) and RAG (up to 3 req/s) peaking in turn, twice in 40 minutes."""
+    phase = 2 * math.pi * t / 1200.0
+    return 0.5 + 11.5 * (1 + math.cos(phase)) / 2, 0.2 + 2.8 * (1 - math.cos(phase)) / 2
 
 
-def _sweep(name: str, specs: list[dict], trace: list[TraceRequest], profile: ReplicaProfile) -> list[dict]:
-    rows = []
-    for spec in specs:
-        result = simulate(trace, make_policy(spec), profile, SLO_TARGET, initial_replicas=2, name=name)
-        rows.append({"spec": spec, "result": result, **result.summary()})
-    return rows
+def _day_rates(t: float) -> tuple[float, float]:
+    """A day in 40 minutes (10% of peak at night) carrying 10-minute waves of chat (up to 24 req/s) and
+    RAG (up to 5 req/s) in turn."""
+    day = 0.1 + 0.9 * (1 - math.cos(2 * math.pi * t / DURATION_S)) / 2
+    wave = 2 * math.pi * t / 600.0
+    return 24 * day * (0.25 + 0.75 * (1 + math.cos(wave)) / 2), 5 * day * (0.1 + 0.9 * (1 - math.cos(wave)) / 2)
 
 
-def _compare(out: Path) -> None:
-    trace = bursty_trace()
-    limits = {"min_replicas": 1, "max_replicas": 16}
-    step = {"max_step_up": 4, "downscale_stabilization_s": 0}
-    families = {
-        "kv_cache (fleetserve)": [
-            {"policy": "kv_cache", "target_high": high, "target_low": high / 2, "max_waiting_per_replica": waiting,
-             "ttft_target_s": SLO_TARGET.ttft_s, "window_s": 10, "scale_down_cooldown_s": cooldown,
-             "limits": {"min_replicas": floor, "max_replicas": 16, **step}}
-            for floor, high, waiting, cooldown in itertools.product([1, 4, 6], [0.3, 0.5], [1, 4], [60, 300])],
-        "ray_default": [
+# name -> (rates at t: (chat req/s, RAG req/s), seeds of the chat and RAG arrivals, replicas serving at
+# the start: mix-shift opens at its chat peak, which one replica cannot carry; day opens at night)
+TRACES = {"mix-shift": (_mix_shift_rates, (21, 22), 2), "day": (_day_rates, (21, 22), 1)}
+
+
+@functools.cache
+def bursty_trace(name: str) -> tuple[TraceRequest, ...]:
+    """Gamma arrivals (burstiness 0.5) of chat and RAG requests at the rates of trace ``name``."""
+    rates, (chat_seed, rag_seed), _ = TRACES[name]
+    chat = from_rate(lambda t: rates(t)[0], DURATION_S, *CHAT, 0.5, 0.5, chat_seed)
+    rag = from_rate(lambda t: rates(t)[1], DURATION_S, *RAG, 0.5, 0.5, rag_seed)
+    return tuple(sorted(chat + rag, key=lambda r: r.arrival_s))
+
+
+def prefill_demand(name: str, t: float) -> float:
+    """Mean prompt tokens/s that trace ``name`` brings at time t."""
+    chat, rag = TRACES[name][0](t)
+    return chat * CHAT[0] + rag * RAG[0]
+
+
+@functools.cache
+def _arrived_demand(name: str, window_s: int = 30) -> np.ndarray:
+    """Prompt tokens/s that trace ``name``'s actual arrivals bring, averaged over the next ``window_s``."""
+    trace = bursty_trace(name)
+    per_second = np.bincount([int(r.arrival_s) for r in trace], weights=[r.prompt_tokens for r in trace],
+                             minlength=int(DURATION_S) + window_s)
+    return np.convolve(per_second, np.ones(window_s) / window_s)[window_s - 1:]
+
+
+class OracleBound:
+    """Not a policy: sizes the pool at a fixed prefill utilization from what is to come, the larger of now
+    and one start-up ahead: the trace's mean rates ("rates"), or its actual arrivals over the next 30 s
+    ("arrivals", which sees every burst coming). What a clairvoyant sizing costs for a given attainment:
+    a reference for how far a real policy could go, not a proven optimum."""
+
+    def __init__(self, trace: str, utilization: float, sees: str) -> None:
+        self.trace, self.utilization, self.sees = trace, utilization, sees
+
+    def _demand(self, t: float) -> float:
+        if self.sees == "rates":
+            return prefill_demand(self.trace, t)
+        arrived = _arrived_demand(self.trace)
+        return float(arrived[min(int(t), len(arrived) - 1)])
+
+    def decide(self, observation: PoolObservation) -> Decision:
+        now, ahead = observation.time_s, GPU_PROFILE.startup_s + 30
+        need = max(self._demand(t) for t in np.arange(now, now + ahead + 1, 5.0))
+        return Decision(max(1, math.ceil(need / (GPU_PROFILE.prefill_tokens_per_s * self.utilization))), "hold")
+
+
+def _simulate(job: tuple[str, str, dict]) -> dict:
+    """One configuration on one trace (a process-pool task: traces are rebuilt, and cached, per worker)."""
+    trace, family, spec = job
+    policy = OracleBound(trace, spec["utilization"], spec["sees"]) if family == ORACLE else make_policy(spec)
+    # Every pool starts warm: at least what the trace's opening load needs, and at least its own floor.
+    initial = max(TRACES[trace][2], spec.get("limits", {}).get("min_replicas", 1))
+    result = simulate(list(bursty_trace(trace)), policy, GPU_PROFILE, SLO_TARGET, initial_replicas=initial, name=family)
+    return {"trace": trace, "family": family, "spec": spec, "result": result, **result.summary()}
+
+
+ORACLE = "clairvoyant sizing"
+KV_FAMILY, RAY_FAMILY, QUEUE_FAMILY = "kv_cache (fleetserve)", "ray_default", "queue_depth (KEDA-style)"
+NO_STEP_LIMITS = {"max_step_up": 1000, "max_step_down": 1000, "downscale_stabilization_s": 0}
+FLOORS = [1, 2, 3, 4, 6]
+
+
+def _families() -> dict[str, list[dict]]:
+    """Each family's sweep: its main knobs and floors up to 6 (a floor that fits the peaks is a fixed pool,
+    so the sweeps include the best fixed size)."""
+    return {
+        KV_FAMILY: [
+            {"policy": "kv_cache", "prefill_tokens_per_s": GPU_PROFILE.prefill_tokens_per_s,
+             "target_prefill_high": high, "target_prefill_low": low, "target_high": 0.5, "target_low": 0.25,
+             "max_waiting_per_replica": 8, "ttft_target_s": SLO_TARGET.ttft_s, "window_s": window,
+             "scale_down_cooldown_s": cooldown,
+             "limits": {"min_replicas": floor, "max_replicas": 24, "max_step_up": 4, "max_step_down": 4,
+                        "downscale_stabilization_s": 0}}
+            for floor, high, low, window, cooldown in itertools.product(
+                [1, 2, 4], [0.45, 0.5, 0.55, 0.6], [0.3, 0.4], [30], [30, 60, 180])],
+        RAY_FAMILY: [
             {"policy": "ongoing_requests", "target_ongoing_requests": target, "upscale_delay_s": up,
-             "downscale_delay_s": down, "limits": {"min_replicas": floor, "max_replicas": 16, "max_step_up": 1000,
-                                                   "max_step_down": 1000, "downscale_stabilization_s": 0}}
-            for floor, target, up, down in itertools.product([1, 4, 6], [1, 2, 4, 8], [0, 30], [60, 300, 600])],
-        "queue_depth (KEDA-style)": [
+             "downscale_delay_s": down, "limits": {"min_replicas": floor, "max_replicas": 24, **NO_STEP_LIMITS}}
+            for floor, target, up, down in itertools.product(FLOORS, [4, 8, 10, 12, 16], [0, 30, 60], [60, 300])],
+        QUEUE_FAMILY: [
             {"policy": "queue_depth", "target_queue_per_replica": target,
-             "limits": {"min_replicas": floor, "max_replicas": 16, "max_step_up": 4, "downscale_stabilization_s": window}}
-            for floor, target, window in itertools.product([1, 4, 6], [1, 2, 4, 8], [60, 300])],
+             "limits": {"min_replicas": floor, "max_replicas": 24, "max_step_up": 4, "downscale_stabilization_s": window}}
+            for floor, target, window in itertools.product(FLOORS, [4, 8, 16], [60, 300])],
+        ORACLE: [{"sees": sees, "utilization": u} for sees in ("rates", "arrivals")
+                 for u in (0.45, 0.5, 0.55, 0.6, 0.65, 0.7)],
     }
-    best, table = {}, {}
-    for family, specs in families.items():
-        started = time.perf_counter()
-        rows = _sweep(family, specs, trace, GPU_PROFILE)
-        passing = [row for row in rows if row["ttft_attainment"] >= 0.99]
-        chosen = min(passing, key=lambda row: row["replica_seconds"]) if passing else max(
-            rows, key=lambda row: row["ttft_attainment"])
-        best[family] = chosen
-        table[family] = {"configurations": len(rows), "reaching_99": len(passing), "best": chosen["spec"],
-                         **{k: v for k, v in chosen.items() if k not in ("spec", "result")}}
-        print(f"{family}: {len(passing)}/{len(rows)} reach 99% ({time.perf_counter() - started:.0f} s); best "
-              f"{chosen['ttft_attainment']:.4f} attainment, {chosen['replica_seconds']:,.0f} replica-s: {chosen['spec']}",
-              flush=True)
-    # Each family as shipped, untuned (Ray Serve's defaults: target 2, 30 s up, 600 s down delays).
-    shipped = {"kv_cache (fleetserve)": {"policy": "kv_cache", "limits": {"min_replicas": 1, "max_replicas": 16}},
-               "ray_default": {"policy": "ongoing_requests", "limits": {"min_replicas": 1, "max_replicas": 16,
-                                                                        "max_step_up": 1000, "max_step_down": 1000,
-                                                                        "downscale_stabilization_s": 0}},
-               "queue_depth (KEDA-style)": {"policy": "queue_depth", "limits": {"min_replicas": 1, "max_replicas": 16}}}
-    for family, spec in shipped.items():
-        row = _sweep(family, [spec], trace, GPU_PROFILE)[0]
-        table[family]["shipped_defaults"] = {k: v for k, v in row.items() if k not in ("spec", "result")}
-        print(f"{family} as shipped: {row['ttft_attainment']:.4f} attainment, {row['replica_seconds']:,.0f} replica-s")
-    kv = best["kv_cache (fleetserve)"]["replica_seconds"]
-    for family in table:
-        table[family]["replica_seconds_vs_kv"] = table[family]["replica_seconds"] / kv
+
+
+# Each family as shipped, untuned (Ray Serve's defaults: target 2, 30 s up and 600 s down delays); the KV
+# policy with its defaults plus the calibrated prefill throughput, a measured fact rather than a knob.
+SHIPPED = {KV_FAMILY: {"policy": "kv_cache", "prefill_tokens_per_s": GPU_PROFILE.prefill_tokens_per_s,
+                       "limits": {"min_replicas": 1, "max_replicas": 24}},
+           RAY_FAMILY: {"policy": "ongoing_requests", "limits": {"min_replicas": 1, "max_replicas": 24, **NO_STEP_LIMITS}},
+           QUEUE_FAMILY: {"policy": "queue_depth", "limits": {"min_replicas": 1, "max_replicas": 24}}}
+
+
+def _compare(out: Path, traces: list[str]) -> None:
+    families = _families()
+    jobs = [(trace, family, spec) for trace in traces for family, specs in families.items() for spec in specs]
+    jobs += [(trace, f"{family} as shipped", spec) for trace in traces for family, spec in SHIPPED.items()]
+    rows: list[dict] = []
+    started = time.perf_counter()
+    with ProcessPoolExecutor(os.cpu_count()) as pool:
+        for row in pool.map(_simulate, jobs, chunksize=2):
+            rows.append(row)
+            if len(rows) % 25 == 0 or len(rows) == len(jobs):
+                print(f"{len(rows)}/{len(jobs)} simulations ({time.perf_counter() - started:.0f} s)", flush=True)
+    report: dict = {"profile": asdict(GPU_PROFILE), "slo": asdict(SLO_TARGET), "traces": {}}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "compare.json").write_text(json.dumps({"trace": bursty_trace.__doc__, "num_requests": len(trace),
-                                                  "profile": asdict(GPU_PROFILE), "slo": asdict(SLO_TARGET),
-                                                  "families": table}, indent=2, default=str) + "\n")
-    for result in (row["result"] for row in best.values()):
+    for trace in traces:
+        table, best = {}, {}
+        for family in families:
+            mine = [row for row in rows if row["trace"] == trace and row["family"] == family]
+            passing = [row for row in mine if row["ttft_attainment"] >= 0.99]
+            chosen = min(passing, key=lambda row: row["replica_seconds"]) if passing else max(
+                mine, key=lambda row: row["ttft_attainment"])
+            best[family] = chosen
+            table[family] = {"configurations": len(mine), "reaching_99": len(passing), "best": chosen["spec"],
+                             **{k: v for k, v in chosen.items() if k not in ("spec", "result", "trace", "family")}}
+            shipped = [row for row in rows if row["trace"] == trace and row["family"] == f"{family} as shipped"]
+            if shipped:
+                table[family]["shipped_defaults"] = {k: v for k, v in shipped[0].items()
+                                                     if k not in ("spec", "result", "trace", "family")}
+        baseline = best[RAY_FAMILY]["replica_seconds"]
+        for family in table:
+            table[family]["replica_seconds_vs_ray_default"] = table[family]["replica_seconds"] / baseline
+        report["traces"][trace] = {"rates": TRACES[trace][0].__doc__, "num_requests": len(bursty_trace(trace)),
+                                   "families": table}
+        print(f"\n{trace} ({len(bursty_trace(trace))} requests): best configuration reaching 99% TTFT-SLO attainment")
+        for family, entry in table.items():
+            print(f"  {family:26s} {entry['reaching_99']:3d}/{entry['configurations']:3d} reach 99%; best "
+                  f"{entry['ttft_attainment']:.2%}, {entry['replica_seconds']:,.0f} replica-s "
+                  f"({entry['replica_seconds_vs_ray_default']:.2f}x ray_default): {entry['best']}")
+            if "shipped_defaults" in entry:
+                shipped = entry["shipped_defaults"]
+                print(f"  {'':26s} as shipped: {shipped['ttft_attainment']:.2%}, {shipped['replica_seconds']:,.0f} replica-s")
+        _plot_best(out, trace, [best[family]["result"] for family in families])
+    if len(traces) > 1:
+        report["one_configuration_for_all_traces"] = _one_for_all(rows, traces, families)
+    report["rows"] = [{k: v for k, v in row.items() if k != "result"} for row in rows]
+    (out / "compare.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
+
+
+def _one_for_all(rows: list[dict], traces: list[str], families: dict[str, list[dict]]) -> dict:
+    """Per family, the one configuration that reaches 99% on every trace for the fewest replica-seconds in
+    all: what an SRE who cannot retune per traffic shape would deploy."""
+    chosen = {}
+    print("\none configuration for every trace (reaching 99% on each, fewest replica-seconds in all):")
+    for family in families:
+        by_spec: dict[str, list[dict]] = {}
+        for row in rows:
+            if row["family"] == family:
+                by_spec.setdefault(json.dumps(row["spec"], sort_keys=True), []).append(row)
+        passing = [runs for runs in by_spec.values()
+                   if len(runs) == len(traces) and all(run["ttft_attainment"] >= 0.99 for run in runs)]
+        if not passing:
+            chosen[family] = None
+            print(f"  {family:26s} none")
+            continue
+        runs = min(passing, key=lambda runs: sum(run["replica_seconds"] for run in runs))
+        chosen[family] = {"spec": runs[0]["spec"], "total_replica_seconds": sum(r["replica_seconds"] for r in runs),
+                          **{run["trace"]: {"ttft_attainment": run["ttft_attainment"],
+                                            "replica_seconds": run["replica_seconds"]} for run in runs}}
+        print(f"  {family:26s} {chosen[family]['total_replica_seconds']:,.0f} replica-s: "
+              + ", ".join(f"{run['trace']} {run['ttft_attainment']:.2%} / {run['replica_seconds']:,.0f}" for run in runs)
+              + f": {runs[0]['spec']}")
+    return chosen
+
+
+def _plot_best(out: Path, trace: str, results: list) -> None:
+    for result in results:
         result.policy = result.policy.split(" ")[0]
-    plot_timeline([row["result"] for row in best.values()], trace, out / "autoscaling-bursty.png",
-                  "bursty trace: best configuration of each policy family")
+    plot_timeline(results, list(bursty_trace(trace)), out / f"autoscaling-{trace}.png",
+                  f"{trace} trace: cheapest configuration of each family reaching 99% TTFT-SLO attainment")
+
+
+def _replot(out: Path) -> None:
+    """The comparison's plots again, from compare.json's best configurations (seconds, not a sweep)."""
+    report = json.loads((out / "compare.json").read_text())
+    for trace, entry in report["traces"].items():
+        jobs = [(trace, family, row["best"]) for family, row in entry["families"].items()]
+        with ProcessPoolExecutor(os.cpu_count()) as pool:
+            _plot_best(out, trace, [row["result"] for row in pool.map(_simulate, jobs)])
+        print(f"{out / f'autoscaling-{trace}.png'}")
 
 
 def _knobs(out: Path) -> None:
-    """One timeline per knob: the KV-cache policy on the bursty trace with that knob at two settings."""
-    trace = bursty_trace()
-    # The best configuration of the comparison, one knob varied at a time.
-    base = {"policy": "kv_cache", "target_high": 0.5, "target_low": 0.25, "max_waiting_per_replica": 4,
-            "ttft_target_s": SLO_TARGET.ttft_s, "window_s": 10, "scale_down_cooldown_s": 60,
-            "limits": {"min_replicas": 4, "max_replicas": 16, "max_step_up": 4, "downscale_stabilization_s": 0}}
-    knobs = {"target_high": [0.3, 0.9], "scale_down_cooldown_s": [30, 600], "max_step_up": [1, 4],
-             "window_s": [5, 120], "min_replicas": [1, 4]}
+    """One timeline per knob: the KV-cache policy on the day trace with that knob at two settings."""
+    # The best configuration of the comparison on the day trace, one knob varied at a time.
+    base = {"policy": "kv_cache", "prefill_tokens_per_s": GPU_PROFILE.prefill_tokens_per_s, "target_prefill_high": 0.5,
+            "target_prefill_low": 0.4, "target_high": 0.5, "target_low": 0.25, "max_waiting_per_replica": 8,
+            "ttft_target_s": SLO_TARGET.ttft_s, "window_s": 30, "scale_down_cooldown_s": 30,
+            "limits": {"min_replicas": 1, "max_replicas": 24, "max_step_up": 4, "max_step_down": 4,
+                       "downscale_stabilization_s": 0}}
+    knobs = {"target_prefill_high": [0.4, 0.6], "target_prefill_low": [0.25, 0.4], "scale_down_cooldown_s": [30, 300],
+             "window_s": [10, 60], "min_replicas": [1, 4], "prefill_tokens_per_s": [None, GPU_PROFILE.prefill_tokens_per_s]}
     for knob, values in knobs.items():
         results = []
         for value in values:
@@ -223,22 +357,29 @@ def _knobs(out: Path) -> None:
                 spec["limits"][knob] = value
             else:
                 spec[knob] = value
-            result = simulate(trace, make_policy(spec), GPU_PROFILE, SLO_TARGET, initial_replicas=2,
-                              name=f"{knob}={value}")
-            print(f"{knob}={value}: {result.ttft_attainment:.4f} TTFT attainment, {result.replica_seconds:,.0f} replica-s")
+            result = _simulate(("day", f"{knob}={value}", spec))["result"]
+            print(f"{knob}={value}: {result.ttft_attainment:.2%} TTFT attainment, {result.replica_seconds:,.0f} replica-s",
+                  flush=True)
             results.append(result)
-        plot_timeline(results, trace, out / f"autoscaling-knob-{knob}.png", f"KV-cache policy: {knob}")
+        plot_timeline(results, list(bursty_trace("day")), out / f"autoscaling-knob-{knob}.png",
+                      f"KV-cache policy on the day trace: {knob}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["calibrate", "compare", "knobs"])
+    parser.add_argument("what", choices=["calibrate", "compare", "replot", "knobs"])
     parser.add_argument("--out", type=Path, default=Path("results/autoscaling"))
+    parser.add_argument("--traces", default=",".join(TRACES), help=f"compare: some of {', '.join(TRACES)}")
     args = parser.parse_args()
     if args.what == "calibrate":
         asyncio.run(_calibrate(args.out))
     elif args.what == "compare":
-        _compare(args.out)
+        unknown = set(args.traces.split(",")) - set(TRACES)
+        if unknown:
+            parser.error(f"unknown trace(s) {sorted(unknown)}; expected some of {sorted(TRACES)}")
+        _compare(args.out, args.traces.split(","))
+    elif args.what == "replot":
+        _replot(args.out)
     else:
         _knobs(args.out)
 

@@ -70,6 +70,11 @@ def plot_timeline(results: list[SimResult], trace: list[TraceRequest], path: Pat
     counts, _ = np.histogram(arrivals, bins)
     axes[0].step(bins[:-1], counts / 10, where="post", color="black")
     axes[0].set_ylabel("arrivals (req/s)")
+    # Requests and work can move apart (a few long prompts, many short ones): show both.
+    prompt_tokens, _ = np.histogram(arrivals, bins, weights=[r.prompt_tokens for r in trace])
+    work = axes[0].twinx()
+    work.step(bins[:-1], prompt_tokens / 10, where="post", color="tab:purple", alpha=0.7)
+    work.set_ylabel("prompt tokens/s", color="tab:purple")
     for result in results:
         times = [p.time_s for p in result.timeline]
         axes[1].plot(times, [p.num_replicas for p in result.timeline], label=result.policy, drawstyle="steps-post")

@@ -6,7 +6,8 @@ front of the pool, are admitted to the replica with the most free KV when their 
 prefill in chunks alongside running decodes (vLLM's chunked prefill: decodes first, then prefill
 tokens up to the step budget), decode one token per step, and free their KV. Replicas advance step
 by step on their own clocks; the policy is asked every ``decision_interval_s`` with the same signals
-real replicas report (KV usage, running, recent TTFT) plus the queue.
+real replicas report (KV usage, running, recent TTFT, prompt tokens computed and the prefill backlog) plus
+the queue.
 """
 
 from __future__ import annotations

@@ -45,3 +45,16 @@ async def test_a_stream_closed_before_its_first_output_gives_its_backlog_back(fa
     await asyncio.gather(first, return_exceptions=True)
     await stream.aclose()
     assert server.num_pending_prompt_tokens == 0
+
+
+def test_serve_adapter_reads_every_signal_a_replica_reports():
+    from fleetserve.autoscaler.serve_adapter import _signals
+
+    # Serve's aggregated_metrics: metric name -> replica id -> value; replica "b" has not reported yet.
+    reported = {"kv_cache_usage": 0.5, "num_waiting": 2.0, "num_running": 3.0, "tokens_per_s": 900.0,
+                "prompt_tokens_per_s": 700.0, "num_pending_prompt_tokens": 1200.0, "ttft_s": float("nan")}
+    metrics = {name: {"a": value} for name, value in reported.items()}
+    (signals,) = _signals(metrics, ["a", "b"])
+    assert (signals.kv_cache_usage, signals.num_waiting, signals.num_running, signals.tokens_per_s,
+            signals.prompt_tokens_per_s, signals.num_pending_prompt_tokens, signals.ttft_s) == (
+        0.5, 2, 3, 900.0, 700.0, 1200, None)
