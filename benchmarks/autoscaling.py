@@ -94,6 +94,7 @@ async def _calibrate(out: Path) -> None:
                              max_num_seqs=32, max_num_batched_tokens=1024, startup_s=float(startup_s),
                              request_overhead_s=float(overhead))
     print(f"profile: {profile}", flush=True)
+    print(f"for the kv_cache policy of this model on this hardware: prefill_tokens_per_s: {prefill_rate:.0f}", flush=True)
     report = {"profile": asdict(profile), "decode_batches": batches, "decode_step_s": step_times, "validation": {}}
     # Validation: the same Poisson traces against the engine and the simulator, light and busy.
     for rate in (3.0, 40.0):

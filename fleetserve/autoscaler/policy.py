@@ -151,8 +151,7 @@ class KVCacheConfig:
     ttft_target_s: float = 2.0
     # Seconds of observations the KV mean and the prompt-token demand cover.
     window_s: float = 30.0
-    # Seconds the load must stay low (and nothing wait) before replicas are removed; removals are this
-    # far apart.
+    # Seconds the load must fit fewer replicas before they are removed; removals are this far apart.
     scale_down_cooldown_s: float = 120.0
     # With min_replicas 0: seconds with no work at all before scaling to zero.
     idle_to_zero_s: float = 300.0
