@@ -28,14 +28,22 @@ def test_one_request_prefills_then_decodes_one_token_per_step():
     assert result.tpots[0] == pytest.approx(0.011)
 
 
-def test_a_request_waits_until_its_whole_context_fits_the_kv():
-    trace = [TraceRequest(0.0, 500, 100), TraceRequest(0.0, 500, 100)]  # 600 + 600 > 1000 tokens
+def test_kv_exhaustion_preempts_the_newest_request_which_recomputes_after():
+    trace = [TraceRequest(0.0, 500, 100), TraceRequest(0.0, 500, 100)]  # 600 + 600 > 1000 tokens of KV
     result = simulate(trace, fixed(1), PROFILE)
-    # The first runs 0.01 + 500/4000 = 0.135 s of prefill, then 99 decode steps of 0.011 s = 1.089 s;
-    # the second is admitted at the first tick after that (ticks are 0.05 s) and prefills in 0.135 s.
-    first_done = 0.135 + 99 * 0.011
-    assert result.ttfts[0] == pytest.approx(0.135)
-    assert first_done + 0.135 <= result.ttfts[1] <= first_done + 0.05 + 0.135 + 1e-9
+    # Step 1 prefills both prompts (1000 tokens fit the budget and exactly fill the KV): 0.01 + 1000/4000
+    # = 0.26 s, and both get their first token.
+    assert list(result.ttfts) == pytest.approx([0.26, 0.26])
+    # Step 2: the first needs one more token, none is free: the second (newest) is preempted, freeing 500.
+    # The first then decodes alone; the second's recompute (500 + 1 tokens) never fits beside it (1000 -
+    # 501 = 499 free), so it waits until the first finishes after 99 decode steps of 0.011 s.
+    first_done = 0.26 + 99 * 0.011
+    assert result.tpots[0] == pytest.approx(0.011)
+    # The second recomputes 501 tokens (0.01 + 501/4000 = 0.13525 s, yielding its 2nd token), then
+    # decodes its other 98 tokens: TPOT = (done - first token) / 99.
+    second_done = first_done + 0.13525 + 98 * 0.011
+    assert result.tpots[1] == pytest.approx((second_done - 0.26) / 99)
+    assert result.num_preemptions == 1 and result.num_unfinished == 0
 
 
 def test_replica_seconds_count_every_replica_for_the_whole_run():
