@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from statistics import fmean
+from statistics import fmean, linear_regression
 from typing import Literal, Protocol
 
 Pool = Literal["colocated", "prefill", "decode"]
@@ -151,6 +151,9 @@ class KVCacheConfig:
     ttft_target_s: float = 2.0
     # Seconds of observations the KV mean and the prompt-token demand cover.
     window_s: float = 30.0
+    # Scale-up sizes KV for this many seconds ahead along the window's trend (about a replica's start-up:
+    # running requests keep growing their KV while new replicas start); 0 sizes on the window mean.
+    kv_lookahead_s: float = 0.0
     # Seconds the load must fit fewer replicas before they are removed; removals are this far apart.
     scale_down_cooldown_s: float = 120.0
     # With min_replicas 0: seconds with no work at all before scaling to zero.
@@ -164,6 +167,8 @@ class PoolLoad:
 
     # Sum of the replicas' KV usage: 1.0 is one replica's whole KV cache.
     kv: float
+    # The same, projected ``kv_lookahead_s`` ahead along the window's trend (never below ``kv``).
+    kv_ahead: float
     # Prompt-token demand (computed plus backlog growth) over one replica's prefill throughput;
     # None without a prefill throughput.
     prefill: float | None
@@ -175,7 +180,8 @@ class KVCachePolicy:
     Each rule sizes the pool from the load its ready replicas carry, and compares that size with every
     replica it has, starting ones included, so a scale-up under way is not asked for twice:
 
-    * KV (decode, colocated): ``ceil(sum of KV usage / target_high)`` once mean usage exceeds it;
+    * KV (decode, colocated): ``ceil(sum of KV usage / target_high)`` once mean usage exceeds it (with
+      ``kv_lookahead_s``, the sum projected that far ahead along the window's trend, if higher);
     * prefill work (prefill, colocated, with ``prefill_tokens_per_s``): ``ceil(demand /
       (prefill_tokens_per_s * target_prefill_high))`` once demand exceeds that share of the pool;
     * queue (all): ``ceil(waiting / max_waiting_per_replica)`` once more than that many per replica wait;
@@ -201,11 +207,15 @@ class KVCachePolicy:
     def _load(self) -> PoolLoad:
         reporting = [obs for obs in self.window if obs.replicas]
         if not reporting:
-            return PoolLoad(0.0, None if self.config.prefill_tokens_per_s is None else 0.0)
+            return PoolLoad(0.0, 0.0, None if self.config.prefill_tokens_per_s is None else 0.0)
         times = [obs.time_s for obs in reporting]
-        kv = fmean(sum(r.kv_cache_usage for r in obs.replicas) for obs in reporting)
+        kv_sums = [sum(r.kv_cache_usage for r in obs.replicas) for obs in reporting]
+        kv = kv_ahead = fmean(kv_sums)
+        if self.config.kv_lookahead_s > 0 and len(set(times)) > 1:
+            slope, intercept = linear_regression(times, kv_sums)
+            kv_ahead = max(kv, intercept + slope * (times[-1] + self.config.kv_lookahead_s))
         if self.config.prefill_tokens_per_s is None:
-            return PoolLoad(kv, None)
+            return PoolLoad(kv, kv_ahead, None)
         # Demand over each interval between observations: the prompt tokens computed, plus how fast the
         # backlog grew (a lone observation has no interval: what it computed).
         computed = [sum(r.prompt_tokens_per_s for r in obs.replicas) for obs in reporting]
@@ -214,7 +224,7 @@ class KVCachePolicy:
         demand = [computed[i] + (backlog[i] - backlog[i - 1]) / (times[i] - times[i - 1]) for i in intervals]
         if not intervals:
             demand = [computed[-1]]
-        return PoolLoad(kv, max(0.0, fmean(demand)) / self.config.prefill_tokens_per_s)
+        return PoolLoad(kv, kv_ahead, max(0.0, fmean(demand)) / self.config.prefill_tokens_per_s)
 
     def _sizes(self, load: PoolLoad, high: bool) -> list[tuple[int, Reason]]:
         """Replicas the load needs at the high (or low) targets, per rule that applies to this pool."""
@@ -222,7 +232,8 @@ class KVCachePolicy:
         sizes: list[tuple[int, Reason]] = []
         # A prefill pool's KV is transient; without a prefill throughput it is still the only load to shrink on.
         if config.pool != "prefill" or (not high and load.prefill is None):
-            sizes.append((math.ceil(load.kv / (config.target_high if high else config.target_low) - 1e-9),
+            kv = load.kv_ahead if high else load.kv
+            sizes.append((math.ceil(kv / (config.target_high if high else config.target_low) - 1e-9),
                           "kv_high" if high else "kv_low"))
         if config.pool != "decode" and load.prefill is not None:
             target = config.target_prefill_high if high else config.target_prefill_low
@@ -243,7 +254,9 @@ class KVCachePolicy:
         ttft = fmean(ttfts) if ttfts else None
         mean_kv = load.kv / ready if ready else 0.0
         prefill = "" if load.prefill is None else f", prefill {load.prefill:.2f} replicas' worth"
-        detail = (f"kv {mean_kv:.2f} over {config.window_s:g}s{prefill}, waiting {obs.num_waiting} "
+        ahead = (f" ({load.kv_ahead / ready:.2f} {config.kv_lookahead_s:g}s ahead)"
+                 if config.kv_lookahead_s > 0 and ready else "")
+        detail = (f"kv {mean_kv:.2f} over {config.window_s:g}s{ahead}{prefill}, waiting {obs.num_waiting} "
                   f"({waiting_per_replica:.1f}/replica), ttft {ttft if ttft is None else round(ttft, 3)}"
                   + (f", {starting} starting" if starting else ""))
         wants = [(size, reason) for size, reason in self._sizes(load, high=True) if size > current]

@@ -104,6 +104,9 @@ class AutoscalingConfig(_Strict):
     # kv_cache: prefill and colocated pools scale up when recent mean TTFT exceeds this.
     ttft_target_s: float = Field(default=2.0, gt=0)
     window_s: float = Field(default=30.0, gt=0)
+    # kv_cache: scale-up sizes KV this many seconds ahead along the window's trend (about a replica's
+    # start-up, for long generations whose KV keeps growing); 0 sizes on the window mean.
+    kv_lookahead_s: float = Field(default=0.0, ge=0)
     scale_down_cooldown_s: float = Field(default=120.0, ge=0)
     idle_to_zero_s: float = Field(default=300.0, ge=0)
     max_step_up: int = Field(default=2, ge=1)
@@ -133,7 +136,8 @@ class AutoscalingConfig(_Strict):
         """Constructor arguments of fleetserve.autoscaler.serve_adapter.KVCacheServePolicy."""
         knobs = self.model_dump(include={"pool", "target_high", "target_low", "prefill_tokens_per_s",
                                          "target_prefill_high", "target_prefill_low", "max_waiting_per_replica",
-                                         "ttft_target_s", "window_s", "scale_down_cooldown_s", "idle_to_zero_s"})
+                                         "ttft_target_s", "window_s", "kv_lookahead_s", "scale_down_cooldown_s",
+                                         "idle_to_zero_s"})
         limits = self.model_dump(include={"min_replicas", "max_replicas", "max_step_up", "max_step_down",
                                           "upscale_stabilization_s", "downscale_stabilization_s"})
         return {"model": model, "decision_period_s": self.decision_period_s, "limits": limits, **knobs}

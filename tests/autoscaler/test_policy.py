@@ -212,3 +212,23 @@ def test_scale_down_keeps_room_for_waiting_requests_and_starting_replicas():
     assert (decision.desired_replicas, decision.reason) == (2, "kv_low")
     # One of 3 replicas still starting: no scale-down until it reports.
     assert policy.decide(obs(1, 0.0, 0.0, num_replicas=3)).reason == "hold"
+
+
+def test_kv_lookahead_sizes_for_the_trend_a_start_up_ahead():
+    policy = kv_policy(target_high=0.75, window_s=30, kv_lookahead_s=60,
+                       limits=Limits(max_replicas=8, max_step_up=8, downscale_stabilization_s=0))
+    # One sample has no trend: KV 0.3 fits one replica.
+    assert policy.decide(obs(0, 0.3, 0.3)).reason == "hold"
+    decision = policy.decide(obs(10, 0.4, 0.4))
+    # The sum rose 0.6 -> 0.8 in 10 s (0.02/s); the fit at 10 s is 0.8, plus 0.02 x 60 s ahead = 2.0
+    # replicas' worth: ceil(2.0 / 0.75) = 3, while the window mean (0.7) alone fits the 2 there are.
+    assert (decision.desired_replicas, decision.reason) == (3, "kv_high")
+    assert kv_policy(target_high=0.75, window_s=30).decide(obs(0, 0.3, 0.3)).reason == "hold"
+
+
+def test_kv_lookahead_never_sizes_below_the_window_mean():
+    policy = kv_policy(target_high=0.75, window_s=30, kv_lookahead_s=60)
+    policy.decide(obs(0, 0.9, 0.9))
+    # Falling 1.8 -> 1.6: the projection (1.6 - 0.02 x 60 = 0.4) is below the mean 1.7; the mean rules:
+    # ceil(1.7 / 0.75) = 3 > 2.
+    assert policy.decide(obs(10, 0.8, 0.8)).desired_replicas == 3
