@@ -12,7 +12,7 @@ from fleetserve.loadtest.baseline import free_port
 from fleetserve.platform.config import PlatformConfig, parse_config
 from fleetserve.platform.shm import remove_orphaned_segments
 from fleetserve.platform.stats import EngineStats
-from factories import model_entry, synthetic_correctness
+from factories import TEST_EXTRA_ARGS, model_entry, synthetic_correctness
 
 MiB = 1024 * 1024
 
@@ -226,7 +226,8 @@ def two_replica_app(served) -> Served:
     from fleetserve.deployments.builders import build_app
 
     two_replicas = {"replicas": 2, "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]},
-                    "engine_args": {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * MiB}}
+                    "engine_args": {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * MiB,
+                                    "extra": TEST_EXTRA_ARGS}}
     config = parse_config({"models": [
         {"name": "tiny-cache-aware", "source": "tiny-random-llama", **two_replicas,
          "routing": {"policy": "cache_aware"}, "cost_per_million_input_tokens": 1.0,

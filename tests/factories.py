@@ -21,8 +21,14 @@ def synthetic_correctness(num_prompts: int = 40, hard_every: int = 4) -> Correct
 MiB = 1024 * 1024
 
 
+# Tests run vLLM eagerly: torch.compile adds ~12 s to every engine start on these CPUs and the suite
+# starts dozens of engines; production configs keep vLLM's default.
+TEST_EXTRA_ARGS = {"enforce_eager": True}
+
+
 def model_entry(name: str = "tiny", source: str = "tiny-random-llama", **engine_args: Any) -> dict[str, Any]:
-    """A model config entry with tiny defaults: float32 (reproducible greedy output), short context."""
+    """A model config entry with tiny defaults: float32 (reproducible greedy output), short context, eager."""
     args = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * MiB, "max_num_seqs": 32}
-    args.update(engine_args)
+    extra = {**TEST_EXTRA_ARGS, **engine_args.pop("extra", {})}
+    args.update(engine_args, extra=extra)
     return {"name": name, "source": source, "engine_args": args}

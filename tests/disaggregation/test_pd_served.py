@@ -35,8 +35,7 @@ def pd_app(served) -> Served:
 
     pool = {"replicas": 2, "cpu_binding": ["0", "1"]}
     config = parse_config({"models": [{
-        # Eager mode: each engine starts in a third of the time torch.compile takes here.
-        **model_entry(MODEL, extra={"enforce_eager": True}), "resources": {"num_cpus": 0.1},
+        **model_entry(MODEL), "resources": {"num_cpus": 0.1},
         "disaggregation": {"prefill": pool, "decode": pool, "max_prefill_attempts": 3, "prefill_timeout_s": 30}}]})
     serve.run(build_app(config), name="pd", route_prefix="/pd")
     yield Served(base_url=f"{served.base_url}/pd", config=config, handles={})
@@ -99,15 +98,18 @@ def test_headers_name_both_replicas_and_load_spreads_over_pools(pd_app):
 
 def test_prefill_pool_is_routed_cache_aware(pd_app):
     prefill_replicas: dict[int, set[str]] = {}
+    routes: list[tuple[int, str, str]] = []  # (group, decode replica, prefill replica), for a failure's message
     for group in range(2):
         prefix = " ".join(f"group {group} shared context line {i}" for i in range(40))
         for index in range(4):
             response = completion(pd_app, prompt=f"{prefix} question {index}", max_tokens=2)
             assert response.status_code == 200
             prefill_replicas.setdefault(group, set()).add(response.headers[HEADER_PREFILL_REPLICA])
+            routes.append((group, response.headers[HEADER_REPLICA], response.headers[HEADER_PREFILL_REPLICA]))
     # After a group's first request, its prefix is indexed on one prefill replica, and the prefill pool's
-    # cache-aware router (the model's default routing) keeps the rest of the group there.
-    assert [len(replicas) for replicas in prefill_replicas.values()] == [1, 1]
+    # cache-aware router (the model's default routing) keeps the rest of the group there. Each decode
+    # replica routes its own prefills, so this also needs the decode pool to keep each group together.
+    assert [len(replicas) for replicas in prefill_replicas.values()] == [1, 1], routes
 
 
 @pytest.mark.parametrize("how", ["stop_string", "client_disconnect"])

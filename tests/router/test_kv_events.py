@@ -92,7 +92,7 @@ def engine_with_events():
     # per token) is 8 blocks of 128 tokens: a few prompts evict the first one's blocks.
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv"}
     model = ModelConfig.model_validate(model_entry("tiny", max_model_len=512, kv_cache_memory_bytes=1 * MiB,
-                                                   extra={"enforce_eager": True, "kv_events_config": events}))
+                                                   extra={"kv_events_config": events}))
     engine = Engine.create(model, resolve_source(model.source))
     index = KVEventIndex(block_size=engine.block_size)
     subscriber = KVEventSubscriber(index, topic="kv")

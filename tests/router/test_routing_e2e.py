@@ -53,7 +53,7 @@ def events_app(served):
     from fleetserve.platform.config import parse_config
 
     config = parse_config({"models": [{
-        **model_entry("tiny-kv-events", extra={"enforce_eager": True}), "replicas": 2,
+        **model_entry("tiny-kv-events"), "replicas": 2,
         "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]},
         "routing": {"policy": "cache_aware", "prefix_source": "kv_events"}}]})
     serve.run(build_app(config), name="routing-events", route_prefix="/routing-events")

@@ -34,6 +34,8 @@ DEPLOYMENT = f"engine-{MODEL}"
 MAX_QUEUE_WAIT_S = 2.0
 MAX_NUM_SEQS = 16
 NUM_CRASH_REQUESTS = 48
+# Streams in the disconnect storm, 128 at a time: four times the shared tiny engine's 32 slots.
+NUM_STORM_STREAMS = 500
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def guarded(served) -> Served:
     config = parse_config({
         # least_loaded: an even split keeps each engine's queue to what admission allows; cache-aware
         # routing may stack up to balance_abs_threshold (32) more requests on one replica.
-        "models": [{**model_entry(MODEL, max_num_seqs=MAX_NUM_SEQS, extra={"enforce_eager": True}), "replicas": 2,
+        "models": [{**model_entry(MODEL, max_num_seqs=MAX_NUM_SEQS), "replicas": 2,
                     "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]}, "routing": {"policy": "least_loaded"}}],
         "limits": {"max_queue_wait_s": MAX_QUEUE_WAIT_S, "min_queued_per_replica": 8, "progress_timeout_s": 60}})
     serve.run(build_app(config), name="guarded", route_prefix="/guarded")
@@ -137,8 +139,14 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
     bound = 2 * MAX_NUM_SEQS + 2 * MAX_QUEUE_WAIT_S * capacity
     assert max(s["in_flight"] for s in sampler.samples) <= bound
     assert max(s["waiting"] for s in sampler.samples) <= bound
-    # Memory stays flat: the ingress and engines hold no backlog.
-    assert max(s["ingress_rss"] for s in sampler.samples) < 1.5 * baseline["ingress_rss"]
+    # Memory levels off: the ingress and engines hold no backlog. A backlog would grow all minute; the
+    # ingress's first overload burst grows it once (connection buffers, allocator arenas kept), so the
+    # second half of the minute must add under a tenth of the baseline to the first half's peak.
+    for key in ("ingress_rss", "engine_rss"):
+        series = [s[key] for s in sampler.samples]
+        half = len(series) // 2
+        assert max(series[half:]) < max(series[:half]) + 0.1 * baseline[key], (key, [v // 2**20 for v in series])
+    assert max(s["ingress_rss"] for s in sampler.samples) < 2 * baseline["ingress_rss"]
     assert max(s["engine_rss"] for s in sampler.samples) < 1.5 * baseline["engine_rss"]
     # And the service answers normally right after.
     assert completion(guarded.base_url).status_code == 200
@@ -187,13 +195,13 @@ def test_disconnect_storm_leaves_engines_idle(served):
                         await _storm_stream(http, f"{served.api_url}/completions", rng, outcomes)
                     except asyncio.CancelledError:
                         outcomes["before_response"] += 1
-            await asyncio.gather(*(one() for _ in range(1000)))
+            await asyncio.gather(*(one() for _ in range(NUM_STORM_STREAMS)))
         return outcomes
 
     outcomes = asyncio.run(storm())
     print(f"storm outcomes: {dict(outcomes)}")
-    # All 1000 abandoned: ~a quarter before any response, the rest mid-stream; none refused.
-    assert sum(outcomes.values()) == 1000 and set(outcomes) <= {"200", "before_response"}
+    # All abandoned: ~a quarter before any response, the rest mid-stream; none refused.
+    assert sum(outcomes.values()) == NUM_STORM_STREAMS and set(outcomes) <= {"200", "before_response"}
     # The ingress lets go of every request (the proxy may take a moment to pass on the last disconnects),
     # and the engine is left with nothing running or waiting and no KV in use.
     deadline = time.monotonic() + 60

@@ -88,14 +88,11 @@ def offline_reference(served):
     """Greedy outputs of each model from vLLM's offline LLM, same engine args."""
     script = Path(__file__).with_name("offline_reference.py")
     cases = json.dumps({"completions": COMPLETION_PROMPTS, "chats": CHATS, "max_tokens": MAX_TOKENS})
-    references = {}
-    for model in served.config.models:
-        done = subprocess.run([sys.executable, str(script), model.model_dump_json(), cases],
-                              capture_output=True, text=True, timeout=600)
-        line = [line for line in done.stdout.splitlines() if line.startswith("REFERENCE ")]
-        assert done.returncode == 0 and line, done.stderr[-3000:]
-        references[model.name] = json.loads(line[0][len("REFERENCE "):])
-    return references
+    models = json.dumps([model.model_dump(mode="json") for model in served.config.models])
+    done = subprocess.run([sys.executable, str(script), models, cases], capture_output=True, text=True, timeout=900)
+    line = [line for line in done.stdout.splitlines() if line.startswith("REFERENCE ")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    return json.loads(line[0][len("REFERENCE "):])
 
 
 @pytest.mark.parametrize("model", MODELS)
