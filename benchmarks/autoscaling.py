@@ -1,7 +1,7 @@
 """Autoscaling: calibrate the simulator on a real engine, then compare policies on a bursty trace.
 
     .venv/bin/python benchmarks/autoscaling.py calibrate [--out results/autoscaling]   # ~4 min, real vLLM
-    .venv/bin/python benchmarks/autoscaling.py compare   [--out results/autoscaling]   # minutes, simulation
+    .venv/bin/python benchmarks/autoscaling.py compare   [--out results/autoscaling]   # ~40 min, simulation
     .venv/bin/python benchmarks/autoscaling.py replot    [--out results/autoscaling]   # compare's plots again
     .venv/bin/python benchmarks/autoscaling.py knobs     [--out results/autoscaling]   # SRE-guide plots
 
@@ -9,12 +9,14 @@ calibrate: measures the tiny model's engine on one core of this machine (KV capa
 decode step time against batch size, start-up), writes the ReplicaProfile, then replays a Poisson
 trace against the real engine and against the simulator with that profile, and reports the error.
 
-compare: on two bursty 40-minute traces (gamma arrivals; chat and long-context traffic peaking in turn:
-"mix-shift" within a narrow range, "day" from a night at 10% to a daytime peak), sweeps each policy
-family's main knobs and floors and keeps, per family, the cheapest configuration (replica-seconds) that
-reaches 99% TTFT-SLO attainment: fleetserve's KV-cache policy, Ray Serve's default
-(target_ongoing_requests and its delays), a KEDA-style queue-depth scaler, and a clairvoyant sizing that reads the
-trace's future rates (a bound, not a policy). All simulations run in a process pool.
+compare: on four bursty 40-minute traces (gamma arrivals; two request kinds peaking in turn): "mix-shift"
+(chat and long-context RAG within a narrow range), "day" (the same kinds from a night at 10% to a
+daytime peak), "kv-bound" and "reasoning" (chat and long generations, whose KV grows for minutes, on the
+same day), sweeps each policy family's main knobs and floors and keeps, per family, the cheapest configuration
+(replica-seconds) that reaches 99% TTFT-SLO attainment: fleetserve's KV-cache policy, Ray Serve's
+default (target_ongoing_requests and its delays), a KEDA-style queue-depth scaler, and a clairvoyant
+sizing that reads the trace's future rates (a reference, not a policy). All simulations run in a
+process pool.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ import math
 import os
 import time
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
@@ -131,9 +134,21 @@ GPU_PROFILE = ReplicaProfile(kv_capacity_tokens=143_000, prefill_tokens_per_s=80
                              startup_s=60.0)
 SLO_TARGET = SLO(ttft_s=2.0, tpot_s=0.05)
 DURATION_S = 2400.0
-# Chat and long-context (RAG) requests: mean prompt and output tokens; lengths spread +-50%, gamma
-# arrivals of shape 0.5 (burstier than Poisson).
-CHAT, RAG = (300, 150), (6000, 150)
+# Request kinds: mean prompt and output tokens; lengths spread +-50%, gamma arrivals of shape 0.5
+# (burstier than Poisson). Chat is light; RAG is prefill-heavy; long generations (reports, code) and
+# reasoning hold little KV at first and grow it for minutes, so their KV need shows long after they arrive.
+CHAT, RAG, LONG_GEN, REASONING = (300, 150), (6000, 150), (1500, 2000), (2000, 4000)
+
+
+def _day(t: float) -> float:
+    """A day in 40 minutes: 10% of the peak at night."""
+    return 0.1 + 0.9 * (1 - math.cos(2 * math.pi * t / DURATION_S)) / 2
+
+
+def _waves(t: float) -> tuple[float, float]:
+    """10-minute waves peaking in turn: the first kind's share, then the second's."""
+    wave = 2 * math.pi * t / 600.0
+    return 0.25 + 0.75 * (1 + math.cos(wave)) / 2, 0.1 + 0.9 * (1 - math.cos(wave)) / 2
 
 
 def _mix_shift_rates(t: float) -> tuple[float, float]:
@@ -145,67 +160,90 @@ def _mix_shift_rates(t: float) -> tuple[float, float]:
 def _day_rates(t: float) -> tuple[float, float]:
     """A day in 40 minutes (10% of peak at night) carrying 10-minute waves of chat (up to 24 req/s) and
     RAG (up to 5 req/s) in turn."""
-    day = 0.1 + 0.9 * (1 - math.cos(2 * math.pi * t / DURATION_S)) / 2
-    wave = 2 * math.pi * t / 600.0
-    return 24 * day * (0.25 + 0.75 * (1 + math.cos(wave)) / 2), 5 * day * (0.1 + 0.9 * (1 - math.cos(wave)) / 2)
+    chat, rag = _waves(t)
+    return 24 * _day(t) * chat, 5 * _day(t) * rag
 
 
-# name -> (rates at t: (chat req/s, RAG req/s), seeds of the chat and RAG arrivals, replicas serving at
-# the start: mix-shift opens at its chat peak, which one replica cannot carry; day opens at night)
-TRACES = {"mix-shift": (_mix_shift_rates, (21, 22), 2), "day": (_day_rates, (21, 22), 1)}
+def _kv_bound_rates(t: float) -> tuple[float, float]:
+    """A day in 40 minutes carrying 10-minute waves of chat (up to 24 req/s) and long generations (up to
+    2 req/s) in turn."""
+    chat, long_gen = _waves(t)
+    return 24 * _day(t) * chat, 2 * _day(t) * long_gen
+
+
+def _reasoning_rates(t: float) -> tuple[float, float]:
+    """A day in 40 minutes carrying 10-minute waves of chat (up to 24 req/s) and reasoning (up to 1 req/s)
+    in turn."""
+    chat, reasoning = _waves(t)
+    return 24 * _day(t) * chat, _day(t) * reasoning
+
+
+@dataclass(frozen=True)
+class Trace:
+    """A bursty trace: two request kinds at time-varying rates."""
+
+    # t -> (first kind's req/s, second kind's req/s)
+    rates: Callable[[float], tuple[float, float]]
+    # (mean prompt, mean output) tokens of each kind, and the seed of each kind's arrivals.
+    kinds: tuple[tuple[int, int], tuple[int, int]]
+    seeds: tuple[int, int]
+    # Replicas serving at the start: mix-shift opens at its chat peak, which one replica cannot carry.
+    initial_replicas: int
+
+
+TRACES = {"mix-shift": Trace(_mix_shift_rates, (CHAT, RAG), (21, 22), 2),
+          "day": Trace(_day_rates, (CHAT, RAG), (21, 22), 1),
+          "kv-bound": Trace(_kv_bound_rates, (CHAT, LONG_GEN), (21, 23), 1),
+          "reasoning": Trace(_reasoning_rates, (CHAT, REASONING), (21, 24), 1)}
 
 
 @functools.cache
 def bursty_trace(name: str) -> tuple[TraceRequest, ...]:
-    """Gamma arrivals (burstiness 0.5) of chat and RAG requests at the rates of trace ``name``."""
-    rates, (chat_seed, rag_seed), _ = TRACES[name]
-    chat = from_rate(lambda t: rates(t)[0], DURATION_S, *CHAT, 0.5, 0.5, chat_seed)
-    rag = from_rate(lambda t: rates(t)[1], DURATION_S, *RAG, 0.5, 0.5, rag_seed)
-    return tuple(sorted(chat + rag, key=lambda r: r.arrival_s))
+    """Gamma arrivals (burstiness 0.5) of trace ``name``'s two request kinds at its rates."""
+    trace = TRACES[name]
+    requests = [request for index, ((prompt, output), seed) in enumerate(zip(trace.kinds, trace.seeds))
+                for request in from_rate(lambda t, i=index: trace.rates(t)[i], DURATION_S, prompt, output, 0.5, 0.5,
+                                         seed)]
+    return tuple(sorted(requests, key=lambda r: r.arrival_s))
 
 
-def prefill_demand(name: str, t: float) -> float:
-    """Mean prompt tokens/s that trace ``name`` brings at time t."""
-    chat, rag = TRACES[name][0](t)
-    return chat * CHAT[0] + rag * RAG[0]
+# A decode step of a full batch (the KV-bound case), for the KV a request holds over its life.
+_NOMINAL_STEP_S = GPU_PROFILE.decode_step_base_s + GPU_PROFILE.decode_step_per_seq_s * GPU_PROFILE.max_num_seqs
 
 
-@functools.cache
-def _arrived_demand(name: str, window_s: int = 30) -> np.ndarray:
-    """Prompt tokens/s that trace ``name``'s actual arrivals bring, averaged over the next ``window_s``."""
-    trace = bursty_trace(name)
-    per_second = np.bincount([int(r.arrival_s) for r in trace], weights=[r.prompt_tokens for r in trace],
-                             minlength=int(DURATION_S) + window_s)
-    return np.convolve(per_second, np.ones(window_s) / window_s)[window_s - 1:]
+def replicas_needed(name: str, t: float, utilization: float) -> float:
+    """Replicas trace ``name``'s mean rates at time t need at ``utilization``, the most of: prefill (prompt
+    tokens/s over the prefill throughput), sequences (Little's law: rate x output x step over
+    max_num_seqs) and KV (the KV tokens a request holds over its life, prompt x output x step + output^2 x
+    step / 2, times its rate, over the KV capacity)."""
+    trace, profile, step = TRACES[name], GPU_PROFILE, _NOMINAL_STEP_S
+    kinds = list(zip(trace.rates(t), trace.kinds))
+    prefill = sum(rate * prompt for rate, (prompt, _) in kinds) / profile.prefill_tokens_per_s
+    sequences = sum(rate * output * step for rate, (_, output) in kinds) / profile.max_num_seqs
+    kv = sum(rate * step * (prompt * output + output * output / 2) for rate, (prompt, output) in kinds)
+    return max(prefill, sequences, kv / profile.kv_capacity_tokens) / utilization
 
 
 class OracleBound:
-    """Not a policy: sizes the pool at a fixed prefill utilization from what is to come, the larger of now
-    and one start-up ahead: the trace's mean rates ("rates"), or its actual arrivals over the next 30 s
-    ("arrivals", which sees every burst coming). What a clairvoyant sizing costs for a given attainment:
-    a reference for how far a real policy could go, not a proven optimum."""
+    """Not a policy: sizes the pool at a fixed utilization (see ``replicas_needed``) from what is to come,
+    the largest need between now and one start-up plus 30 s ahead. What a clairvoyant sizing costs for a
+    given attainment: a reference for how far a real policy could go, not a proven optimum."""
 
-    def __init__(self, trace: str, utilization: float, sees: str) -> None:
-        self.trace, self.utilization, self.sees = trace, utilization, sees
-
-    def _demand(self, t: float) -> float:
-        if self.sees == "rates":
-            return prefill_demand(self.trace, t)
-        arrived = _arrived_demand(self.trace)
-        return float(arrived[min(int(t), len(arrived) - 1)])
+    def __init__(self, trace: str, utilization: float) -> None:
+        self.trace, self.utilization = trace, utilization
 
     def decide(self, observation: PoolObservation) -> Decision:
         now, ahead = observation.time_s, GPU_PROFILE.startup_s + 30
-        need = max(self._demand(t) for t in np.arange(now, now + ahead + 1, 5.0))
-        return Decision(max(1, math.ceil(need / (GPU_PROFILE.prefill_tokens_per_s * self.utilization))), "hold")
+        need = max(replicas_needed(self.trace, t, self.utilization) for t in np.arange(now, now + ahead + 1, 5.0))
+        return Decision(max(1, math.ceil(need)), "hold")
 
 
 def _simulate(job: tuple[str, str, dict]) -> dict:
     """One configuration on one trace (a process-pool task: traces are rebuilt, and cached, per worker)."""
     trace, family, spec = job
-    policy = OracleBound(trace, spec["utilization"], spec["sees"]) if family == ORACLE else make_policy(spec)
+    policy = OracleBound(trace, spec["utilization"]) if family == ORACLE else make_policy(spec)
     # Every pool starts warm: at least what the trace's opening load needs, and at least its own floor.
-    initial = max(TRACES[trace][2], spec.get("limits", {}).get("min_replicas", 1))
+    initial = max(TRACES[trace].initial_replicas, spec.get("limits", {}).get("min_replicas", 1))
     result = simulate(list(bursty_trace(trace)), policy, GPU_PROFILE, SLO_TARGET, initial_replicas=initial, name=family)
     return {"trace": trace, "family": family, "spec": spec, "result": result, **result.summary()}
 
@@ -216,29 +254,34 @@ NO_STEP_LIMITS = {"max_step_up": 1000, "max_step_down": 1000, "downscale_stabili
 FLOORS = [1, 2, 3, 4, 6]
 
 
+# The KV rule's settings swept: sizing on the window mean, or on KV projected a start-up ahead.
+KV_RULES = [{"target_high": 0.5, "target_low": 0.25, "kv_lookahead_s": 0},
+            {"target_high": 0.75, "target_low": 0.35, "kv_lookahead_s": GPU_PROFILE.startup_s}]
+
+
 def _families() -> dict[str, list[dict]]:
     """Each family's sweep: its main knobs and floors up to 6 (a floor that fits the peaks is a fixed pool,
     so the sweeps include the best fixed size)."""
     return {
         KV_FAMILY: [
             {"policy": "kv_cache", "prefill_tokens_per_s": GPU_PROFILE.prefill_tokens_per_s,
-             "target_prefill_high": high, "target_prefill_low": low, "target_high": 0.5, "target_low": 0.25,
-             "max_waiting_per_replica": 8, "ttft_target_s": SLO_TARGET.ttft_s, "window_s": window,
+             "target_prefill_high": high, "target_prefill_low": low, **kv_rule,
+             "max_waiting_per_replica": 8, "ttft_target_s": SLO_TARGET.ttft_s, "window_s": 30,
              "scale_down_cooldown_s": cooldown,
              "limits": {"min_replicas": floor, "max_replicas": 24, "max_step_up": 4, "max_step_down": 4,
                         "downscale_stabilization_s": 0}}
-            for floor, high, low, window, cooldown in itertools.product(
-                [1, 2, 4], [0.45, 0.5, 0.55, 0.6], [0.3, 0.4], [30], [30, 60, 180])],
+            for floor, (high, low), kv_rule, cooldown in itertools.product(
+                [1, 2, 4], [(0.45, 0.3), (0.5, 0.4), (0.55, 0.4), (0.6, 0.4)], KV_RULES, [30, 60, 180])],
         RAY_FAMILY: [
             {"policy": "ongoing_requests", "target_ongoing_requests": target, "upscale_delay_s": up,
              "downscale_delay_s": down, "limits": {"min_replicas": floor, "max_replicas": 24, **NO_STEP_LIMITS}}
-            for floor, target, up, down in itertools.product(FLOORS, [4, 8, 10, 12, 16], [0, 30, 60], [60, 300])],
+            for floor, target, up, down in itertools.product([1, 2, 4], [4, 6, 8, 10, 12, 16, 20, 24, 28, 32, 40],
+                                                             [30, 60], [60, 300])],
         QUEUE_FAMILY: [
             {"policy": "queue_depth", "target_queue_per_replica": target,
              "limits": {"min_replicas": floor, "max_replicas": 24, "max_step_up": 4, "downscale_stabilization_s": window}}
             for floor, target, window in itertools.product(FLOORS, [4, 8, 16], [60, 300])],
-        ORACLE: [{"sees": sees, "utilization": u} for sees in ("rates", "arrivals")
-                 for u in (0.45, 0.5, 0.55, 0.6, 0.65, 0.7)],
+        ORACLE: [{"utilization": u} for u in (0.45, 0.5, 0.55, 0.6, 0.7, 0.8, 0.9)],
     }
 
 
@@ -280,7 +323,7 @@ def _compare(out: Path, traces: list[str]) -> None:
         baseline = best[RAY_FAMILY]["replica_seconds"]
         for family in table:
             table[family]["replica_seconds_vs_ray_default"] = table[family]["replica_seconds"] / baseline
-        report["traces"][trace] = {"rates": TRACES[trace][0].__doc__, "num_requests": len(bursty_trace(trace)),
+        report["traces"][trace] = {"rates": TRACES[trace].rates.__doc__, "num_requests": len(bursty_trace(trace)),
                                    "families": table}
         print(f"\n{trace} ({len(bursty_trace(trace))} requests): best configuration reaching 99% TTFT-SLO attainment")
         for family, entry in table.items():
@@ -340,17 +383,22 @@ def _replot(out: Path) -> None:
         print(f"{out / f'autoscaling-{trace}.png'}")
 
 
-def _knobs(out: Path) -> None:
-    """One timeline per knob: the KV-cache policy on the day trace with that knob at two settings."""
-    # The best configuration of the comparison on the day trace, one knob varied at a time.
-    base = {"policy": "kv_cache", "prefill_tokens_per_s": GPU_PROFILE.prefill_tokens_per_s, "target_prefill_high": 0.5,
-            "target_prefill_low": 0.4, "target_high": 0.5, "target_low": 0.25, "max_waiting_per_replica": 8,
-            "ttft_target_s": SLO_TARGET.ttft_s, "window_s": 30, "scale_down_cooldown_s": 30,
-            "limits": {"min_replicas": 1, "max_replicas": 24, "max_step_up": 4, "max_step_down": 4,
-                       "downscale_stabilization_s": 0}}
-    knobs = {"target_prefill_high": [0.4, 0.6], "target_prefill_low": [0.25, 0.4], "scale_down_cooldown_s": [30, 300],
-             "window_s": [10, 60], "min_replicas": [1, 4], "prefill_tokens_per_s": [None, GPU_PROFILE.prefill_tokens_per_s]}
-    for knob, values in knobs.items():
+def _knobs(out: Path, only: list[str] | None = None) -> None:
+    """One timeline per knob: the KV-cache policy with that knob at two settings, on the day trace (the
+    KV rule's knobs on the kv-bound trace)."""
+    # The comparison's one configuration for every trace, one knob varied at a time.
+    base = {"policy": "kv_cache", "prefill_tokens_per_s": GPU_PROFILE.prefill_tokens_per_s, "target_prefill_high": 0.45,
+            "target_prefill_low": 0.3, "target_high": 0.75, "target_low": 0.35, "kv_lookahead_s": GPU_PROFILE.startup_s,
+            "max_waiting_per_replica": 8, "ttft_target_s": SLO_TARGET.ttft_s, "window_s": 30,
+            "scale_down_cooldown_s": 30, "limits": {"min_replicas": 1, "max_replicas": 24, "max_step_up": 4,
+                                                    "max_step_down": 4, "downscale_stabilization_s": 0}}
+    knobs = {"target_prefill_high": ("day", [0.35, 0.55]), "target_prefill_low": ("day", [0.2, 0.4]),
+             "scale_down_cooldown_s": ("day", [30, 300]), "window_s": ("day", [10, 60]),
+             "min_replicas": ("day", [1, 4]), "prefill_tokens_per_s": ("day", [None, GPU_PROFILE.prefill_tokens_per_s]),
+             "kv_lookahead_s": ("kv-bound", [0, GPU_PROFILE.startup_s]), "target_high": ("kv-bound", [0.6, 0.9])}
+    for knob, (trace, values) in knobs.items():
+        if only and knob not in only:
+            continue
         results = []
         for value in values:
             spec = json.loads(json.dumps(base))
@@ -358,12 +406,12 @@ def _knobs(out: Path) -> None:
                 spec["limits"][knob] = value
             else:
                 spec[knob] = value
-            result = _simulate(("day", f"{knob}={value}", spec))["result"]
-            print(f"{knob}={value}: {result.ttft_attainment:.2%} TTFT attainment, {result.replica_seconds:,.0f} replica-s",
-                  flush=True)
+            result = _simulate((trace, f"{knob}={value}", spec))["result"]
+            print(f"{knob}={value} on {trace}: {result.ttft_attainment:.2%} TTFT attainment, "
+                  f"{result.replica_seconds:,.0f} replica-s, {result.num_preemptions} preemptions", flush=True)
             results.append(result)
-        plot_timeline(results, list(bursty_trace("day")), out / f"autoscaling-knob-{knob}.png",
-                      f"KV-cache policy on the day trace: {knob}")
+        plot_timeline(results, list(bursty_trace(trace)), out / f"autoscaling-knob-{knob}.png",
+                      f"KV-cache policy on the {trace} trace: {knob}")
 
 
 def main() -> None:
@@ -371,6 +419,7 @@ def main() -> None:
     parser.add_argument("what", choices=["calibrate", "compare", "replot", "knobs"])
     parser.add_argument("--out", type=Path, default=Path("results/autoscaling"))
     parser.add_argument("--traces", default=",".join(TRACES), help=f"compare: some of {', '.join(TRACES)}")
+    parser.add_argument("--knobs", default="", help="knobs: only these (comma-separated)")
     args = parser.parse_args()
     if args.what == "calibrate":
         asyncio.run(_calibrate(args.out))
@@ -382,7 +431,7 @@ def main() -> None:
     elif args.what == "replot":
         _replot(args.out)
     else:
-        _knobs(args.out)
+        _knobs(args.out, [k for k in args.knobs.split(",") if k])
 
 
 if __name__ == "__main__":
