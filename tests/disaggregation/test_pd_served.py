@@ -97,19 +97,21 @@ def test_headers_name_both_replicas_and_load_spreads_over_pools(pd_app):
 
 
 def test_prefill_pool_is_routed_cache_aware(pd_app):
-    prefill_replicas: dict[int, set[str]] = {}
-    routes: list[tuple[int, str, str]] = []  # (group, decode replica, prefill replica), for a failure's message
+    # (group, decode replica) -> prefill replicas that served it
+    prefill_replicas: dict[tuple[int, str], set[str]] = {}
     for group in range(2):
         prefix = " ".join(f"group {group} shared context line {i}" for i in range(40))
         for index in range(4):
             response = completion(pd_app, prompt=f"{prefix} question {index}", max_tokens=2)
             assert response.status_code == 200
-            prefill_replicas.setdefault(group, set()).add(response.headers[HEADER_PREFILL_REPLICA])
-            routes.append((group, response.headers[HEADER_REPLICA], response.headers[HEADER_PREFILL_REPLICA]))
-    # After a group's first request, its prefix is indexed on one prefill replica, and the prefill pool's
-    # cache-aware router (the model's default routing) keeps the rest of the group there. Each decode
-    # replica routes its own prefills, so this also needs the decode pool to keep each group together.
-    assert [len(replicas) for replicas in prefill_replicas.values()] == [1, 1], routes
+            key = (group, response.headers[HEADER_REPLICA])
+            prefill_replicas.setdefault(key, set()).add(response.headers[HEADER_PREFILL_REPLICA])
+    # Each decode replica routes its own prefills with the prefill pool's cache-aware router (the model's
+    # default routing): after a group's first request through it, its prefix is indexed on one prefill
+    # replica and the rest of the group follows. The decode pool is routed least_loaded, so a group may
+    # reach the prefill pool through both decode replicas, each with its own index (docs/routing.md).
+    assert all(len(replicas) == 1 for replicas in prefill_replicas.values()), prefill_replicas
+    assert sum(len(replicas) for replicas in prefill_replicas.values()) >= 2  # some prefill routing happened
 
 
 @pytest.mark.parametrize("how", ["stop_string", "client_disconnect"])

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +201,18 @@ def test_keda_example_matches_the_keda_crd():
 
     obj = yaml.safe_load((ROOT / "examples" / "keda" / "scaledobject.yaml").read_text())
     jsonschema.validate(obj, crd_schema("keda.sh_scaledobjects.yaml", "v1alpha1"))
+
+
+@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool (Prometheus) not installed")
+def test_keda_example_queries_are_valid_promql(tmp_path):
+    obj = yaml.safe_load((ROOT / "examples" / "keda" / "scaledobject.yaml").read_text())
+    queries = [trigger["metadata"]["query"] for trigger in obj["spec"]["triggers"] if trigger["type"] == "prometheus"]
+    rules = {"groups": [{"name": "keda", "rules": [{"record": f"keda:trigger_{index}", "expr": query}
+                                                   for index, query in enumerate(queries)]}]}
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    done = subprocess.run(["promtool", "check", "rules", str(tmp_path / "rules.yaml")], capture_output=True, text=True)
+    assert done.returncode == 0 and f"SUCCESS: {len(queries)} rules found" in done.stdout, done.stdout + done.stderr
+    # A misspelt function is caught, so the check above is not vacuous.
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump(
+        {"groups": [{"name": "bad", "rules": [{"record": "bad", "expr": "derivv(up[1m])"}]}]}))
+    assert subprocess.run(["promtool", "check", "rules", str(tmp_path / "bad.yaml")], capture_output=True).returncode != 0
