@@ -197,9 +197,36 @@ TRACES = {"mix-shift": Trace(_mix_shift_rates, (CHAT, RAG), (21, 22), 2),
           "reasoning": Trace(_reasoning_rates, (CHAT, REASONING), (21, 24), 1)}
 
 
+# Traces made of others back to back: traffic whose mix shifts from one shape to the next (as a model's
+# clients change over a week), where one tuning has to serve every shape.
+BACK_TO_BACK = {"back-to-back": ("mix-shift", "day", "kv-bound", "reasoning")}
+
+
+def _segment(name: str, t: float) -> tuple[str, float]:
+    """The trace and local time that back-to-back trace ``name`` plays at time t (itself, for others)."""
+    if name not in BACK_TO_BACK:
+        return name, t
+    parts = BACK_TO_BACK[name]
+    index = min(int(t // DURATION_S), len(parts) - 1)
+    return parts[index], t - index * DURATION_S
+
+
+def initial_replicas(name: str) -> int:
+    return TRACES[BACK_TO_BACK[name][0] if name in BACK_TO_BACK else name].initial_replicas
+
+
+def describe(name: str) -> str:
+    if name in BACK_TO_BACK:
+        return "back to back: " + ", ".join(BACK_TO_BACK[name])
+    return TRACES[name].rates.__doc__
+
+
 @functools.cache
 def bursty_trace(name: str) -> tuple[TraceRequest, ...]:
     """Gamma arrivals (burstiness 0.5) of trace ``name``'s two request kinds at its rates."""
+    if name in BACK_TO_BACK:
+        return tuple(TraceRequest(r.arrival_s + index * DURATION_S, r.prompt_tokens, r.output_tokens)
+                     for index, part in enumerate(BACK_TO_BACK[name]) for r in bursty_trace(part))
     trace = TRACES[name]
     requests = [request for index, ((prompt, output), seed) in enumerate(zip(trace.kinds, trace.seeds))
                 for request in from_rate(lambda t, i=index: trace.rates(t)[i], DURATION_S, prompt, output, 0.5, 0.5,
@@ -216,6 +243,7 @@ def replicas_needed(name: str, t: float, utilization: float) -> float:
     tokens/s over the prefill throughput), sequences (Little's law: rate x output x step over
     max_num_seqs) and KV (the KV tokens a request holds over its life, prompt x output x step + output^2 x
     step / 2, times its rate, over the KV capacity)."""
+    name, t = _segment(name, t)
     trace, profile, step = TRACES[name], GPU_PROFILE, _NOMINAL_STEP_S
     kinds = list(zip(trace.rates(t), trace.kinds))
     prefill = sum(rate * prompt for rate, (prompt, _) in kinds) / profile.prefill_tokens_per_s
@@ -243,7 +271,7 @@ def _simulate(job: tuple[str, str, dict]) -> dict:
     trace, family, spec = job
     policy = OracleBound(trace, spec["utilization"]) if family == ORACLE else make_policy(spec)
     # Every pool starts warm: at least what the trace's opening load needs, and at least its own floor.
-    initial = max(TRACES[trace].initial_replicas, spec.get("limits", {}).get("min_replicas", 1))
+    initial = max(initial_replicas(trace), spec.get("limits", {}).get("min_replicas", 1))
     result = simulate(list(bursty_trace(trace)), policy, GPU_PROFILE, SLO_TARGET, initial_replicas=initial, name=family)
     return {"trace": trace, "family": family, "spec": spec, "result": result, **result.summary()}
 
@@ -323,7 +351,7 @@ def _compare(out: Path, traces: list[str]) -> None:
         baseline = best[RAY_FAMILY]["replica_seconds"]
         for family in table:
             table[family]["replica_seconds_vs_ray_default"] = table[family]["replica_seconds"] / baseline
-        report["traces"][trace] = {"rates": TRACES[trace].rates.__doc__, "num_requests": len(bursty_trace(trace)),
+        report["traces"][trace] = {"rates": describe(trace), "num_requests": len(bursty_trace(trace)),
                                    "families": table}
         print(f"\n{trace} ({len(bursty_trace(trace))} requests): best configuration reaching 99% TTFT-SLO attainment")
         for family, entry in table.items():
@@ -418,15 +446,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=["calibrate", "compare", "replot", "knobs"])
     parser.add_argument("--out", type=Path, default=Path("results/autoscaling"))
-    parser.add_argument("--traces", default=",".join(TRACES), help=f"compare: some of {', '.join(TRACES)}")
+    parser.add_argument("--traces", default=",".join(TRACES),
+                        help=f"compare: some of {', '.join([*TRACES, *BACK_TO_BACK])}")
     parser.add_argument("--knobs", default="", help="knobs: only these (comma-separated)")
     args = parser.parse_args()
     if args.what == "calibrate":
         asyncio.run(_calibrate(args.out))
     elif args.what == "compare":
-        unknown = set(args.traces.split(",")) - set(TRACES)
+        unknown = set(args.traces.split(",")) - set(TRACES) - set(BACK_TO_BACK)
         if unknown:
-            parser.error(f"unknown trace(s) {sorted(unknown)}; expected some of {sorted(TRACES)}")
+            parser.error(f"unknown trace(s) {sorted(unknown)}; expected some of {sorted([*TRACES, *BACK_TO_BACK])}")
         _compare(args.out, args.traces.split(","))
     elif args.what == "replot":
         _replot(args.out)
