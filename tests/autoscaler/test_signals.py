@@ -4,47 +4,61 @@ from __future__ import annotations
 
 import asyncio
 
-from fleetserve.deployments.engine_server import EngineRequest, EngineServer
-from fleetserve.platform.config import ModelConfig
-from fleetserve.platform.engine import SamplingOptions
+from types import SimpleNamespace
+
+from fleetserve.platform.engine import _ObservedClient
 
 
-def slow_server(fake_engine_cls) -> EngineServer:
-    class SlowFirstToken(fake_engine_cls):
-        first_token_s = 0.3
+class StubLLM:
+    """Yields two outputs per request, the first after ``first_output_s``."""
 
-    return EngineServer(ModelConfig(name="fake", source="unused"), engine_cls=SlowFirstToken, model_path="/unused")
+    first_output_s = 0.3
+
+    async def generate(self, prompt, sampling_params, request_id, **kwargs):
+        await asyncio.sleep(self.first_output_s)
+        yield "out-1"
+        yield "out-2"
 
 
-def request(request_id: str, prompt: str) -> EngineRequest:
-    return EngineRequest(request_id, SamplingOptions(max_tokens=2), prompt=prompt)
+def observed() -> tuple[_ObservedClient, SimpleNamespace]:
+    engine = SimpleNamespace(num_pending_prompt_tokens=0)
+    return _ObservedClient(StubLLM(), engine), engine
 
 
-async def test_prompts_count_as_backlog_until_their_first_output(fake_engine_cls):
-    server = slow_server(fake_engine_cls)
-    streams = [server.generate(request("a", "w1 w2 w3 w4")), server.generate(request("b", "w1 w2"))]
-    firsts = [asyncio.ensure_future(stream.__anext__()) for stream in streams]
+async def drain(stream) -> list:
+    return [item async for item in stream]
+
+
+async def test_prompts_count_as_backlog_until_their_first_output():
+    client, engine = observed()
+    params = SimpleNamespace(extra_args=None)
+    tasks = [asyncio.ensure_future(drain(client.generate({"prompt_token_ids": ids}, params, name)))
+             for name, ids in (("a", [1, 2, 3, 4]), ("b", [5, 6]))]
     await asyncio.sleep(0.1)
-    # 4 + 2 prompt tokens wait for their first token.
-    assert server.autoscaling_signals()["num_pending_prompt_tokens"] == 6
-    await asyncio.gather(*firsts)
-    assert server.num_pending_prompt_tokens == 0
-    for stream in streams:
-        async for _ in stream:
-            pass
-    assert server.autoscaling_signals()["num_pending_prompt_tokens"] == 0
+    # 4 + 2 prompt tokens wait for their first output.
+    assert engine.num_pending_prompt_tokens == 6
+    assert await asyncio.gather(*tasks) == [["out-1", "out-2"]] * 2
+    assert engine.num_pending_prompt_tokens == 0
 
 
-async def test_a_stream_closed_before_its_first_output_gives_its_backlog_back(fake_engine_cls):
-    server = slow_server(fake_engine_cls)
-    stream = server.generate(request("gone", "w1 w2 w3"))
-    first = asyncio.ensure_future(stream.__anext__())
+async def test_a_stream_closed_before_its_first_output_gives_its_backlog_back():
+    client, engine = observed()
+    task = asyncio.ensure_future(drain(client.generate({"prompt_token_ids": [1, 2, 3]},
+                                                       SimpleNamespace(extra_args=None), "gone")))
     await asyncio.sleep(0.1)
-    assert server.num_pending_prompt_tokens == 3
-    first.cancel()
-    await asyncio.gather(first, return_exceptions=True)
-    await stream.aclose()
-    assert server.num_pending_prompt_tokens == 0
+    assert engine.num_pending_prompt_tokens == 3
+    task.cancel()
+    await asyncio.gather(task, return_exceptions=True)
+    assert engine.num_pending_prompt_tokens == 0
+
+
+async def test_a_prompt_whose_kv_comes_from_a_prefill_replica_is_no_backlog():
+    client, engine = observed()
+    params = SimpleNamespace(extra_args={"kv_transfer_params": {"do_remote_prefill": True}})
+    task = asyncio.ensure_future(drain(client.generate({"prompt_token_ids": [1, 2, 3]}, params, "pd")))
+    await asyncio.sleep(0.1)
+    assert engine.num_pending_prompt_tokens == 0
+    await task
 
 
 def test_serve_adapter_reads_every_signal_a_replica_reports():

@@ -9,6 +9,7 @@ model's), and float32 keeps it reproducible across engines.
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
@@ -16,9 +17,10 @@ import pytest
 from factories import MiB, model_entry
 from fleetserve.deployments.disaggregated.decode_server import DecodeServer, LocalPrefillClient
 from fleetserve.deployments.disaggregated.prefill_server import PrefillServer
-from fleetserve.deployments.engine_server import EngineRequest, EngineServer
+from fleetserve.deployments.engine_server import EngineServer
+from fleetserve.platform.api_types import ApiRequest, Endpoint
 from fleetserve.platform.config import ModelConfig
-from fleetserve.platform.engine import EngineRequestError, SamplingOptions
+from fleetserve.platform.engine import EngineRequestError
 from fleetserve.platform.kv_transfer import KVTransferSpec, lease_side_channel_ports
 from fleetserve.platform.model_store import resolve_source
 
@@ -31,7 +33,7 @@ CHUNK = 256
 # Shorter than a block, one short of / exactly at / one past block boundaries, longer than a chunk.
 PROMPT_LENGTHS = [5, BLOCK - 1, BLOCK, 2 * BLOCK, 2 * BLOCK + 1, 2 * CHUNK + 100]
 MAX_TOKENS = 12
-GREEDY = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+GREEDY = {"max_tokens": MAX_TOKENS, "temperature": 0.0, "ignore_eos": True}
 
 
 def pd_model(min_prompt_tokens: int = 0) -> ModelConfig:
@@ -77,13 +79,23 @@ def cluster():
     started.shutdown()
 
 
-async def run(server: EngineServer, prompt: list[int], request_id: str, options: SamplingOptions = GREEDY):
+def completion(request_id: str, prompt: list[int], **options) -> ApiRequest:
+    body = {"model": "smollm2", "prompt": prompt, "return_token_ids": True, **(options or GREEDY)}
+    return ApiRequest(request_id, Endpoint.COMPLETIONS, json.dumps(body).encode())
+
+
+async def respond(server: EngineServer, request: ApiRequest) -> tuple[int, dict, str | None]:
+    """(status, parsed body, prefill replica id) of one non-streamed request."""
+    chunks = [chunk async for chunk in server.forward(request)]
+    head = chunks[0].head
+    return head.status_code, json.loads(b"".join(chunk.data for chunk in chunks)), head.prefill_replica_id
+
+
+async def run(server: EngineServer, prompt: list[int], request_id: str, **options):
     """(token ids, prefill replica ids seen) of one request."""
-    tokens, prefill_ids = [], set()
-    async for chunk in server.generate(EngineRequest(request_id, options, prompt=prompt)):
-        tokens += chunk.delta.token_ids
-        prefill_ids.add(chunk.prefill_replica_id)
-    return tokens, prefill_ids
+    status, body, prefill_id = await respond(server, completion(request_id, prompt, **options))
+    assert status == 200, body
+    return body["choices"][0]["token_ids"], {prefill_id}
 
 
 async def wait_idle(servers, timeout_s: float = 20.0) -> list:
@@ -148,18 +160,16 @@ async def test_early_end_frees_both_sides(cluster, how):
     prompt = prompts(length_seed=17)[-1]
     if how == "stop_string":
         # The reference tells which text the greedy output reaches after a few tokens.
-        text = ""
-        async for chunk in cluster.reference.generate(EngineRequest("ref-stop", GREEDY, prompt=prompt)):
-            text += chunk.delta.text
+        _, reference, _ = await respond(cluster.reference, completion("ref-stop", prompt))
+        text = reference["choices"][0]["text"]
         stop = text[len(text) // 2:][:3]
-        options = SamplingOptions(max_tokens=200, temperature=0.0, stop=(stop,))
-        tokens, _ = await run(decode, prompt, "stopped", options)
+        tokens, _ = await run(decode, prompt, "stopped", max_tokens=200, temperature=0.0, stop=[stop])
         assert 0 < len(tokens) < MAX_TOKENS
     else:
-        stream = decode.generate(EngineRequest("aborted", SamplingOptions(max_tokens=300, temperature=0.0,
-                                                                           ignore_eos=True), prompt=prompt))
+        stream = decode.forward(completion("aborted", prompt, max_tokens=300, temperature=0.0, ignore_eos=True,
+                                           stream=True))
         async for chunk in stream:
-            if chunk.delta.token_ids:
+            if b'"text"' in chunk.data:
                 break
         await stream.aclose()
     stats = await wait_idle([decode, cluster.prefill[1]])
@@ -184,12 +194,17 @@ async def test_failing_prefill_pool_is_a_clear_503(cluster):
     assert (stats[0].num_running, stats[0].kv_cache_usage) == (0, 0.0)
 
 
-async def test_too_long_prompt_fails_before_prefill(cluster):
+async def test_too_long_prompt_gets_vllms_400_and_holds_no_kv(cluster):
     decode = cluster.decode[0]
-    decode.prefill_client = LocalPrefillClient(cluster.prefill)
-    with pytest.raises(EngineRequestError) as raised:
-        await run(decode, [200] * 1020, "too-long", SamplingOptions(max_tokens=10))
-    assert raised.value.status_code == 400 and "maximum context length is 1024" in raised.value.message
+    decode.prefill_client = LocalPrefillClient(cluster.prefill, order=[0])
+    before = decode.engine.stats()
+    status, body, prefill_id = await respond(decode, completion("too-long", [200] * 1030, max_tokens=10))
+    # vLLM's own 400, from the prefill replica that refused it: 1030 prompt tokens > max_model_len 1024.
+    assert (status, prefill_id) == (400, "p0")
+    assert "maximum context length is 1024 tokens" in body["error"]["message"]
+    stats = await wait_idle([decode, cluster.prefill[0]])
+    assert [(s.num_running, s.kv_cache_usage) for s in stats] == [(0, 0.0)] * 2
+    assert stats[0].num_computed_prompt_tokens == before.num_computed_prompt_tokens
 
 
 async def test_autoscaling_signals_put_prefill_work_on_the_pool_that_does_it(cluster):
@@ -201,7 +216,7 @@ async def test_autoscaling_signals_put_prefill_work_on_the_pool_that_does_it(clu
     tasks = [asyncio.ensure_future(run(decode, prompt, f"signals-{i}")) for i, prompt in enumerate(prompts(29))]
     peaks = [0, 0]
     while not all(task.done() for task in tasks):
-        peaks = [max(peak, server.num_pending_prompt_tokens) for peak, server in zip(peaks, (decode, prefill))]
+        peaks = [max(peak, server.engine.num_pending_prompt_tokens) for peak, server in zip(peaks, (decode, prefill))]
         await asyncio.sleep(0.002)
     await asyncio.gather(*tasks)
     signals = [server.autoscaling_signals() for server in (decode, prefill)]

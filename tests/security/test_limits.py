@@ -90,13 +90,13 @@ class FlakyClient:
         self.after_chunks = after_chunks
         self.num_calls = 0
 
-    async def generate(self, request):
+    async def forward(self, request):
         from ray.exceptions import ActorDiedError
 
         self.num_calls += 1
         failing = self.num_calls <= self.num_failures
         index = 0
-        async for chunk in self.server.generate(request):
+        async for chunk in self.server.forward(request):
             if failing and index == self.after_chunks:
                 raise ActorDiedError()
             index += 1
@@ -132,6 +132,8 @@ async def test_retries_spent_is_a_clear_503(fake_engine_cls):
 
 async def test_replica_dying_mid_stream_is_not_retried(fake_engine_cls):
     app, client = flaky_ingress(fake_engine_cls, num_failures=1, after_chunks=2)
+    # Tokens far enough apart that each replica chunk holds one event (ready events are coalesced).
+    client.server.engine.token_interval_s = 0.05
     async with http(app) as http_client:
         response = await http_client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 5,
                                                                     "stream": True})

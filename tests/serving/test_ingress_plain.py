@@ -1,4 +1,4 @@
-"""The ingress's OpenAI protocol, on the plain classes with an injected fake engine (no Ray)."""
+"""The ingress on the plain classes with an injected fake engine (no Ray): what it reads, forwards and relays."""
 
 import json
 import time
@@ -43,7 +43,8 @@ async def test_chat_returns_text_usage_and_routing_headers(client):
     assert response.headers["x-fleetserve-model"] == "fake"
     assert response.headers["x-fleetserve-replica"] == "local"
     assert response.headers["x-fleetserve-pool"] == "colocated"
-    assert response.headers["x-request-id"] == body["id"]
+    # vLLM names its response after the request id the ingress forwards.
+    assert body["id"] == f"chatcmpl-{response.headers['x-request-id']}"
 
 
 async def test_stream_ends_with_usage_then_done(client):
@@ -58,32 +59,38 @@ async def test_stream_ends_with_usage_then_done(client):
     assert payloads[4]["choices"] == [] and payloads[4]["usage"]["completion_tokens"] == 4
 
 
-async def test_stream_without_include_usage_has_no_usage_chunk(client):
+async def test_stream_without_include_usage_has_no_usage_chunk_but_is_accounted(client, server):
     response = await client.post("/v1/chat/completions", json={
         "model": "fake", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2, "stream": True})
     payloads = sse_payloads(response.text)
     assert payloads[0]["choices"][0]["delta"] == {"role": "assistant", "content": "w0"}
     assert all(p["choices"] for p in payloads)
+    # The ingress asked the replica for usage (cost accounting) and the replica dropped the event again.
+    assert server.engine.bodies[-1]["stream_options"] == {"include_usage": True}
 
 
-async def test_stop_string_ends_output_with_stop(client):
-    response = await client.post("/v1/completions", json={"model": "fake", "prompt": "x", "max_tokens": 10,
-                                                          "stop": ["w2"]})
-    choice = response.json()["choices"][0]
-    assert (choice["text"], choice["finish_reason"]) == ("w0 w1", "stop")
+async def test_body_reaches_the_engine_as_sent(client, server):
+    body = {"model": "fake", "prompt": "a b", "max_tokens": 2, "logit_bias": {"5": -100}, "n": 1,
+            "response_format": {"type": "json_object"}, "some_future_field": [1, 2]}
+    assert (await client.post("/v1/completions", json=body)).status_code == 200
+    assert server.engine.bodies[-1] == body
+
+
+async def test_engine_errors_are_relayed_with_their_status_and_body(client):
+    # FakeEngine.max_model_len is 64: 2 prompt tokens + 63 = 65 > 64.
+    response = await client.post("/v1/completions", json={"model": "fake", "prompt": "a b", "max_tokens": 63})
+    assert response.status_code == 400
+    assert response.json() == {"error": {
+        "message": "This model's maximum context length is 64 tokens. However, you requested 65 tokens",
+        "type": "BadRequestError", "param": "max_tokens", "code": 400}}
 
 
 @pytest.mark.parametrize(("body", "status", "param", "message"), [
     ({"model": "nope", "prompt": "x"}, 404, "model", "The model `nope` does not exist. Available models: fake"),
-    ({"model": "fake", "prompt": "x", "temperature": -1}, 400, "temperature", "greater than or equal to 0"),
-    ({"model": "fake", "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "greater than or equal to 1"),
-    ({"model": "fake", "prompt": "x", "n": 2}, 400, "n", "less than or equal to 1"),
-    ({"model": "fake"}, 400, "prompt", "Field required"),
-    ({"model": "fake", "prompt": []}, 400, "prompt", "must not be empty"),
-    ({"model": "fake", "prompt": [5, 100000]}, 400, "prompt", "outside the vocabulary (0..999)"),
-    # FakeEngine.max_model_len is 64: 2 prompt tokens + 63 = 65 > 64.
-    ({"model": "fake", "prompt": "a b", "max_tokens": 63}, 400, "max_tokens",
-     "maximum context length is 64 tokens. However, you requested 65 tokens (2 in the prompt, 63 for the completion)"),
+    ({"prompt": "x"}, 400, "model", "`model` is required"),
+    ({"model": 5, "prompt": "x"}, 400, "model", "`model` is required and must be a string"),
+    ({"model": "fake", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "must be an integer"),
+    ({"model": "fake", "prompt": {"a": 1}}, 400, "prompt", "must be a string or a list"),
 ])
 async def test_bad_input_gets_openai_error(client, body, status, param, message):
     response = await client.post("/v1/completions", json=body)
@@ -93,23 +100,29 @@ async def test_bad_input_gets_openai_error(client, body, status, param, message)
     assert error["type"] in {"invalid_request_error", "not_found_error"}
 
 
-async def test_malformed_json_is_400(client):
-    response = await client.post("/v1/chat/completions", content=b"{nope", headers={"content-type": "application/json"})
+@pytest.mark.parametrize("content", [b"{nope", b'{"model": NaN}', b"[1, 2]", b"\xff\xfe"])
+async def test_malformed_json_is_400(client, content):
+    response = await client.post("/v1/chat/completions", content=content, headers={"content-type": "application/json"})
     assert response.status_code == 400
-    assert response.json()["error"]["message"].startswith("request body is not valid JSON")
+    assert response.json()["error"]["message"].startswith(("request body is not valid JSON",
+                                                           "request body must be a JSON object"))
 
 
-async def test_chat_rejects_non_text_parts(client):
-    response = await client.post("/v1/chat/completions", json={"model": "fake", "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
-    assert response.status_code == 400
-    assert "only text content parts are supported" in response.json()["error"]["message"]
+@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/nope", 404), ("POST", "/nope", 404),
+                                                        ("GET", "/v1/chat/completions", 405)])
+async def test_unknown_paths_and_methods_get_openai_error_json(client, method, path, status):
+    response = await client.request(method, path)
+    assert response.status_code == status
+    assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
 async def test_models_and_health(client):
     assert (await client.get("/health")).json() == {"status": "ok"}
     models = (await client.get("/v1/models")).json()
     assert [model["id"] for model in models["data"]] == ["fake"]
+    assert (await client.get("/v1/models/fake")).json()["id"] == "fake"
+    missing = await client.get("/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
 
 
 def test_dropped_stream_aborts_engine_request(server, loopback_server):

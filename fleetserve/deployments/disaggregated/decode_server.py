@@ -1,8 +1,10 @@
 """The decode server: fetches a prompt's KV from the prefill pool, then generates and streams.
 
-The decode replica orchestrates its own request (as llm-d's decode-side sidecar does): it tokenizes,
-skips remote prefill for short prompts, asks the prefill pool for the KV (retrying on failure), and
-pulls the KV during its first step. Any prefill replica may serve any decode replica (xPyD).
+The decode replica orchestrates its own request (as llm-d's decode-side sidecar does): it skips remote
+prefill for short prompts, asks the prefill pool for the KV (retrying on failure), and pulls the KV during
+its first step. Both phases run the client's own body through vLLM's OpenAI app, so the prompt is rendered
+the same way on both sides; the handover is vLLM's ``kv_transfer_params``, as in vLLM's own disaggregation
+proxy. Any prefill replica may serve any decode replica (xPyD).
 
 ``DecodeServer`` is a plain class with an injected prefill client; ``DecodeDeployment`` is its Ray
 Serve subclass, whose client is the prefill deployment's handle.
@@ -11,7 +13,7 @@ Serve subclass, whose client is the prefill deployment's handle.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -19,11 +21,19 @@ from typing import Any, Protocol
 
 from ray import serve
 
-from fleetserve.deployments.disaggregated.prefill_server import KVTransferReplica, PrefillResult, PrefillServer
-from fleetserve.deployments.engine_server import EngineChunk, EngineRequest, EngineServer
+from fleetserve.deployments.disaggregated.prefill_server import (
+    KVTransferReplica,
+    PrefillResult,
+    PrefillServer,
+    prefill_body,
+)
+from fleetserve.deployments.engine_server import EngineServer
+from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead
+from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import EngineRequestError
 from fleetserve.platform.kv_transfer import KVTransferSpec
+from fleetserve.platform.relay import relay, request_headers
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +41,7 @@ logger = logging.getLogger(__name__)
 class PrefillClient(Protocol):
     """How a decode server reaches the prefill pool."""
 
-    async def prefill(self, request: EngineRequest) -> PrefillResult: ...
+    async def prefill(self, request: ApiRequest) -> PrefillResult: ...
 
 
 class LocalPrefillClient:
@@ -55,7 +65,7 @@ class LocalPrefillClient:
             return index
         return min(range(len(self.servers)), key=lambda i: self.in_flight[i])
 
-    async def prefill(self, request: EngineRequest) -> PrefillResult:
+    async def prefill(self, request: ApiRequest) -> PrefillResult:
         index = self._pick()
         self.in_flight[index] += 1
         try:
@@ -70,7 +80,7 @@ class HandlePrefillClient:
     def __init__(self, handle: Any) -> None:
         self.handle = handle
 
-    async def prefill(self, request: EngineRequest) -> PrefillResult:
+    async def prefill(self, request: ApiRequest) -> PrefillResult:
         response = self.handle.prefill.remote(request)
         try:
             return await response
@@ -100,55 +110,82 @@ class DecodeServer(EngineServer):
         self.prefill_client = prefill_client
         self.settings = model.disaggregation
 
-    async def _remote_prefill(self, request: EngineRequest, prompt_ids: list[int]) -> PrefillResult:
-        """The prefill pool's KV for ``prompt_ids``, tried up to max_prefill_attempts times.
+    async def _remote_prefill(self, request: ApiRequest, payload: dict[str, Any]) -> PrefillResult:
+        """The prefill pool's KV for the request's prompt, tried up to max_prefill_attempts times.
 
         Raises:
-            EngineRequestError: the request is invalid (400, not retried), or every attempt failed (503).
+            EngineRequestError: every attempt failed (503).
         """
+        body = prefill_body(payload, request.endpoint)
         errors: list[str] = []
         for attempt in range(1, self.settings.max_prefill_attempts + 1):
             # Each attempt is a new engine request: a half-finished one may still be running elsewhere.
-            attempt_request = dataclasses.replace(request, request_id=f"{request.request_id}-p{attempt}",
-                                                  prompt=prompt_ids, messages=None)
+            attempt_request = ApiRequest(f"{request.request_id}-p{attempt}", request.endpoint, body,
+                                         routing=request.routing)
             try:
                 return await asyncio.wait_for(self.prefill_client.prefill(attempt_request),
                                               self.settings.prefill_timeout_s)
-            except EngineRequestError as error:
-                if error.status_code < 500:
-                    raise
-                errors.append(error.message)
             except TimeoutError:
                 errors.append(f"no answer within prefill_timeout_s={self.settings.prefill_timeout_s:g}")
             except Exception as error:  # noqa: BLE001 - a dead or failing prefill replica: try another
-                cause = getattr(error, "cause", None)
-                if isinstance(cause, EngineRequestError) and cause.status_code < 500:
-                    raise cause from None
                 errors.append(f"{type(error).__name__}: {error}"[:300])
             logger.warning("prefill attempt %d/%d for %s failed: %s", attempt,
                            self.settings.max_prefill_attempts, request.request_id, errors[-1])
         raise _unavailable(f"prefill failed on {len(errors)} attempt(s); retry shortly. Last error: {errors[-1]}")
 
-    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineChunk]:
-        """Streams the request's output; prompts of at least min_prompt_tokens are prefilled remotely.
+    async def _num_prompt_tokens(self, request: ApiRequest, payload: dict[str, Any]) -> int:
+        """The prompt's length as the engine renders it, from vLLM's own /tokenize."""
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+            return len(prompt)
+        keys = ("model", "messages", "prompt", "tools", "chat_template", "chat_template_kwargs",
+                "add_generation_prompt", "continue_final_message", "add_special_tokens")
+        body = json.dumps({key: payload[key] for key in keys if key in payload}).encode()
+        chunks = [chunk async for chunk in super().forward(
+            ApiRequest(f"{request.request_id}-t", Endpoint.TOKENIZE, body))]
+        if chunks[0].head.status_code != 200:
+            return 0  # the request itself will get vLLM's error when run locally
+        return int(json.loads(b"".join(chunk.data for chunk in chunks)).get("count", 0))
+
+    async def _prefills_remotely(self, request: ApiRequest, payload: dict[str, Any]) -> bool:
+        if request.endpoint not in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+            return False
+        # Several samples, prompt logprobs and echo need the prompt computed here.
+        if (payload.get("n") or 1) > 1 or (payload.get("best_of") or 1) > 1 or payload.get("echo") \
+                or payload.get("prompt_logprobs") is not None:
+            return False
+        if self.settings.min_prompt_tokens <= 1:
+            return True
+        return await self._num_prompt_tokens(request, payload) >= self.settings.min_prompt_tokens
+
+    async def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:
+        """Streams the request's response; prompts of at least min_prompt_tokens are prefilled remotely.
+
+        A request vLLM refuses at prefill gets vLLM's error as it is; a failed prefill pool, a 503.
 
         Raises:
-            EngineRequestError: the prompt or options are invalid (400), or the prefill pool failed (503).
+            EngineRequestError: the prefill pool failed on every attempt (503).
         """
         started_at = time.time()
-        prompt_ids = self._prompt_ids(request)
-        self.engine.check_length(len(prompt_ids), request.options.max_tokens)
-        prefill: PrefillResult | None = None
-        if len(prompt_ids) >= max(1, self.settings.min_prompt_tokens):
-            prefill = await self._remote_prefill(request, prompt_ids)
-            prompt_ids = prefill.prompt_token_ids
-        params = prefill.kv_transfer_params if prefill is not None else None
-        prefill_replica = prefill.replica_id if prefill is not None else None
-        # What is left to compute here: the whole prompt, or none of it when its KV came from a prefill replica.
-        local_tokens = 0 if prefill is not None else len(prompt_ids)
-        async for delta in self._until_first_output(local_tokens, self.engine.generate(
-                prompt_ids, request.options, request.request_id, params)):
-            yield EngineChunk(self.replica_id, delta, started_at, prefill_replica)
+        try:
+            payload = json.loads(request.body)
+        except ValueError:
+            payload = None
+        if not isinstance(payload, dict) or not await self._prefills_remotely(request, payload):
+            async for chunk in super().forward(request):
+                yield chunk
+            return
+        prefill = await self._remote_prefill(request, payload)
+        if prefill.error_status is not None:
+            yield ReplicaChunk(prefill.error_body, head=ResponseHead(
+                prefill.error_status, "application/json", self.replica_id, started_at, prefill.replica_id))
+            return
+        body = json.dumps({**payload, "kv_transfer_params": prefill.kv_transfer_params}).encode()
+        app = await self.engine.openai_app()
+        events = call_app(app, request.endpoint.value, body, request_headers(request))
+        head = ResponseHead(0, "", self.replica_id, started_at, prefill.replica_id)
+        async for chunk in relay(events, head, request.strip_usage):
+            yield chunk
 
 
 @serve.deployment

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -12,14 +13,12 @@ from typing import Any
 
 from ray import serve
 
-from fleetserve.deployments.engine_server import EngineRequest, EngineServer, ServeReplica
+from fleetserve.deployments.engine_server import EngineServer, ServeReplica
+from fleetserve.platform.api_types import ApiRequest, Endpoint
 from fleetserve.platform.config import ModelConfig
-from fleetserve.platform.engine import SamplingOptions
 from fleetserve.platform.kv_transfer import KVTransferSpec, lease_side_channel_ports, release_side_channel_ports
 
 logger = logging.getLogger(__name__)
-# One greedy token: vLLM's prefill step samples one, which the decode engine recomputes and keeps.
-PREFILL_OPTIONS = SamplingOptions(max_tokens=1, temperature=0.0)
 # Asks the engine to hold the finished prompt's KV blocks for a remote decode.
 REMOTE_DECODE = {"do_remote_decode": True}
 
@@ -30,16 +29,30 @@ class PrefillError(RuntimeError):
 
 @dataclass(frozen=True)
 class PrefillResult:
-    """What a decode engine needs to continue a request a prefill engine started."""
+    """What a decode engine needs to continue a request a prefill engine started, or why it cannot."""
 
     # The prefill replica that holds the KV.
     replica_id: str
-    # The prompt exactly as prefilled; decode must run these same tokens.
-    prompt_token_ids: list[int]
     # vLLM's handover: remote block ids, engine id and handshake address, for the decode engine.
-    kv_transfer_params: dict[str, Any]
+    kv_transfer_params: dict[str, Any] | None = None
     # Prompt tokens the prefill engine found in its own prefix cache.
     num_cached_tokens: int = 0
+    # A request vLLM refused (a 4xx): its status and vLLM's error body, for the client as they are.
+    error_status: int | None = None
+    error_body: bytes = b""
+
+
+def prefill_body(payload: dict[str, Any], endpoint: Endpoint) -> bytes:
+    """The client's request as a prefill: one token, not streamed, with its KV kept for a decode engine."""
+    body = {**payload, "stream": False, "n": 1, "min_tokens": 0, "kv_transfer_params": REMOTE_DECODE}
+    body.pop("stream_options", None)
+    # One token: vLLM's prefill step samples one, which the decode engine recomputes and keeps.
+    if endpoint is Endpoint.CHAT:
+        body.pop("max_tokens", None)
+        body["max_completion_tokens"] = 1
+    else:
+        body["max_tokens"] = 1
+    return json.dumps(body).encode()
 
 
 class PrefillServer(EngineServer):
@@ -54,25 +67,28 @@ class PrefillServer(EngineServer):
     def __init__(self, model: ModelConfig, *, kv_transfer: KVTransferSpec, **kwargs: Any) -> None:
         super().__init__(model, kv_transfer=kv_transfer, **kwargs)
 
-    async def prefill(self, request: EngineRequest) -> PrefillResult:
+    async def prefill(self, request: ApiRequest) -> PrefillResult:
         """Computes the prompt's KV and keeps it for a decode engine.
 
-        The request's own max_tokens is checked against the context here, so a request that cannot
-        fit fails before any engine time is spent on it.
+        Args:
+            request: a body built by ``prefill_body``.
 
         Raises:
-            EngineRequestError: the prompt or options are invalid for this model.
-            PrefillError: the engine returned no KV transfer parameters.
+            PrefillError: vLLM failed the request (5xx) or returned no KV transfer parameters.
         """
-        prompt_ids = self._prompt_ids(request)
-        self.engine.check_length(len(prompt_ids), request.options.max_tokens)
-        last = None
-        async for delta in self._until_first_output(len(prompt_ids), self.engine.generate(
-                prompt_ids, PREFILL_OPTIONS, request.request_id, REMOTE_DECODE)):
-            last = delta
-        if last is None or not last.kv_transfer_params:
+        chunks = [chunk async for chunk in self.forward(request)]
+        head = chunks[0].head
+        body = b"".join(chunk.data for chunk in chunks)
+        if 400 <= head.status_code < 500:
+            return PrefillResult(self.replica_id, error_status=head.status_code, error_body=body)
+        if head.status_code != 200:
+            raise PrefillError(f"prefill replica {self.replica_id} answered {head.status_code}: {body[:300]!r}")
+        payload = json.loads(body)
+        params = payload.get("kv_transfer_params")
+        if not params:
             raise PrefillError(f"prefill replica {self.replica_id} returned no KV transfer parameters")
-        return PrefillResult(self.replica_id, prompt_ids, last.kv_transfer_params, last.num_cached_tokens)
+        details = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
+        return PrefillResult(self.replica_id, params, int(details.get("cached_tokens") or 0))
 
 
 def replica_kv_transfer(model: ModelConfig, host: str) -> KVTransferSpec:

@@ -1,0 +1,156 @@
+"""The few fields of an OpenAI request body that the ingress reads: the model, the output budget, and the
+prompt's text (for limits, rate charges and routing). vLLM validates everything else in the replica."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from fleetserve.deployments.protocol import APIError
+from fleetserve.platform.api_types import Endpoint, RoutingHints
+
+# The body field that holds the output budget, per endpoint, newest name first.
+MAX_TOKENS_FIELDS: dict[Endpoint, tuple[str, ...]] = {
+    Endpoint.CHAT: ("max_completion_tokens", "max_tokens"),
+    Endpoint.COMPLETIONS: ("max_tokens",),
+    Endpoint.RESPONSES: ("max_output_tokens",),
+    Endpoint.MESSAGES: ("max_tokens",),
+}
+# vLLM's own default for a completion's max_tokens.
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """What the ingress knows about one request."""
+
+    # The model name the client asked for (a served model, or a routed name like "auto").
+    model: str
+    # The parsed body, forwarded as the client sent it unless the ingress must change a field.
+    payload: dict[str, Any]
+    # Chat messages (or Anthropic messages) as role/content text, for routing and limits; None otherwise.
+    messages: list[dict[str, str]] | None
+    # The completion prompt (text or token ids), or the input text of other endpoints.
+    prompt: str | list[int] | None
+    # The output budget the body asks for; None leaves it to vLLM (the rest of the context).
+    max_tokens: int | None
+    stream: bool
+
+    @property
+    def num_messages(self) -> int:
+        return len(self.messages) if self.messages is not None else 0
+
+    def prompt_text(self) -> str:
+        """The prompt's text; token ids count as 4 characters each, like the token estimate."""
+        if self.messages is not None:
+            return "".join(message["content"] for message in self.messages)
+        if isinstance(self.prompt, list):
+            return " " * 4 * len(self.prompt)
+        return self.prompt or ""
+
+    def estimated_prompt_tokens(self) -> int:
+        return math.ceil(len(self.prompt_text()) / 4)
+
+    def routing_hints(self, session_id: str | None) -> RoutingHints:
+        if self.messages is not None:
+            text = "".join(f"<{message['role']}>{message['content']}" for message in self.messages)
+        else:
+            text = self.prompt if isinstance(self.prompt, str) else " ".join(map(str, self.prompt or []))
+        user = self.payload.get("user")
+        return RoutingHints(text, session_id or (user if isinstance(user, str) else None),
+                            self.messages, self.prompt)
+
+
+def parse_body(body: bytes) -> dict[str, Any]:
+    """The JSON object of a request body.
+
+    Raises:
+        APIError: 400 for a body that is not a strict JSON object (NaN and Infinity are not JSON).
+    """
+    def _reject(constant: str) -> None:
+        raise ValueError(f"{constant} is not valid JSON")
+
+    try:
+        payload = json.loads(body, parse_constant=_reject)
+    except (ValueError, UnicodeDecodeError) as error:
+        raise APIError(f"request body is not valid JSON: {error}", 400) from None
+    if not isinstance(payload, dict):
+        raise APIError("request body must be a JSON object", 400)
+    return payload
+
+
+def _content_text(content: Any, param: str) -> str:
+    if content is None or isinstance(content, str):
+        return content or ""
+    if isinstance(content, list):
+        return "".join(part.get("text", "") if isinstance(part, dict) and isinstance(part.get("text"), str) else ""
+                       for part in content)
+    raise APIError(f"{param} must be a string or a list of content parts", 400, param=param)
+
+
+def _messages(payload: dict[str, Any], key: str) -> list[dict[str, str]]:
+    messages = payload.get(key)
+    if not isinstance(messages, list) or not messages:
+        raise APIError(f"`{key}` must be a non-empty list", 400, param=key)
+    rendered = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise APIError(f"{key}.{index} must be an object", 400, param=f"{key}.{index}")
+        role = message.get("role", message.get("type", ""))
+        rendered.append({"role": str(role), "content": _content_text(message.get("content"), f"{key}.{index}.content")})
+    return rendered
+
+
+def _input_text(value: Any, param: str) -> str | list[int] | None:
+    """A prompt or input: text, token ids, or a list of texts or items (joined)."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
+        return value
+    if isinstance(value, list):
+        texts = []
+        for item in value:
+            if isinstance(item, str):
+                texts.append(item)
+            elif isinstance(item, dict):
+                texts.append(_content_text(item.get("content"), param))
+            elif isinstance(item, list):
+                texts.append(" " * 4 * len(item))
+        return "".join(texts)
+    raise APIError(f"`{param}` must be a string or a list", 400, param=param)
+
+
+def _max_tokens(endpoint: Endpoint, payload: dict[str, Any]) -> int | None:
+    for key in MAX_TOKENS_FIELDS.get(endpoint, ()):
+        value = payload.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise APIError(f"`{key}` must be an integer", 400, param=key)
+        return value
+    return DEFAULT_COMPLETION_MAX_TOKENS if endpoint is Endpoint.COMPLETIONS else None
+
+
+def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
+    """The fields the ingress needs from a request to ``endpoint``.
+
+    Raises:
+        APIError: 400 naming the field, when the model is missing or a read field has the wrong shape.
+    """
+    model = payload.get("model")
+    if not isinstance(model, str) or not model:
+        raise APIError("`model` is required and must be a string", 400, param="model")
+    messages = prompt = None
+    if endpoint in (Endpoint.CHAT, Endpoint.MESSAGES) or (endpoint is Endpoint.TOKENIZE and "messages" in payload):
+        messages = _messages(payload, "messages")
+        system = payload.get("system") if endpoint is Endpoint.MESSAGES else None
+        if system is not None:
+            messages.insert(0, {"role": "system", "content": _content_text(system, "system")})
+    elif endpoint in (Endpoint.COMPLETIONS, Endpoint.TOKENIZE):
+        prompt = _input_text(payload.get("prompt"), "prompt")
+    elif endpoint in (Endpoint.RESPONSES, Endpoint.EMBEDDINGS, Endpoint.POOLING):
+        prompt = _input_text(payload.get("input"), "input")
+    return RequestFields(model, payload, messages, prompt, _max_tokens(endpoint, payload),
+                         payload.get("stream") is True)

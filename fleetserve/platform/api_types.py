@@ -1,0 +1,117 @@
+"""The contract between the ingress and an engine replica: an OpenAI request forwarded as bytes, and the
+replica's response relayed as bytes.
+
+The replica runs vLLM's own OpenAI app, so the body is never turned into fleetserve objects on the way:
+the ingress reads only the few fields it needs (model, limits, routing text) and forwards the rest.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+
+class Endpoint(str, Enum):
+    """The API paths the ingress forwards to engine replicas, each served there by vLLM."""
+
+    CHAT = "/v1/chat/completions"
+    COMPLETIONS = "/v1/completions"
+    RESPONSES = "/v1/responses"
+    MESSAGES = "/v1/messages"
+    EMBEDDINGS = "/v1/embeddings"
+    POOLING = "/pooling"
+    TOKENIZE = "/tokenize"
+    DETOKENIZE = "/detokenize"
+
+    @property
+    def generates(self) -> bool:
+        """Whether requests on this path run the engine's sampler (and count against admission)."""
+        return self in GENERATING_ENDPOINTS
+
+
+GENERATING_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.MESSAGES})
+
+
+@dataclass(frozen=True)
+class RoutingHints:
+    """What the replica router reads about a request, in the caller's process; never sent to a replica."""
+
+    # The text prefix-aware routing matches on: the prompt, or the messages' roles and contents in order.
+    prefix_text: str = ""
+    # Keeps a conversation on one replica under session routing (the API's `user` or x-session-id).
+    session_id: str | None = None
+    # prefix_source kv_events: the chat messages, tokenized by the router as the engine does.
+    messages: list[dict[str, Any]] | None = None
+    # prefix_source kv_events: the completion prompt, text or token ids.
+    prompt: str | list[int] | None = None
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One OpenAI API call, forwarded to an engine replica with its body unchanged."""
+
+    # fleetserve's id for the call; vLLM derives its response id and engine request id from it.
+    request_id: str
+    # The API path the replica's vLLM app serves it on.
+    endpoint: Endpoint
+    # The JSON body as the client sent it (only a routed model name is replaced).
+    body: bytes
+    # The ingress asked for a stream's usage (for cost accounting) where the client did not: the replica
+    # reads the usage event and drops it, so the client gets the stream it asked for.
+    strip_usage: bool = False
+    # Read by the replica router before the call is sent; dropped when the request is pickled.
+    routing: RoutingHints = field(default_factory=RoutingHints)
+
+    def __reduce__(self):
+        return (ApiRequest, (self.request_id, self.endpoint, self.body, self.strip_usage))
+
+
+@dataclass(frozen=True)
+class ResponseHead:
+    """The status and headers of a replica's response, and who produced it."""
+
+    # The HTTP status vLLM answered with (its errors keep their status and JSON body).
+    status_code: int
+    # vLLM's content type: application/json, or text/event-stream for streams.
+    media_type: str
+    # The replica that ran the request (the decode replica, for disaggregated models).
+    replica_id: str
+    # Wall-clock time the replica started on the request (the ingress derives its queue time).
+    started_at: float
+    # Disaggregated serving: the prefill replica whose KV the decode replica continued.
+    prefill_replica_id: str | None = None
+
+    @property
+    def is_stream(self) -> bool:
+        return self.media_type.startswith("text/event-stream")
+
+
+@dataclass(frozen=True)
+class TokenUsage:
+    """Tokens one request used, read from vLLM's `usage` object."""
+
+    num_prompt_tokens: int = 0
+    num_completion_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class ReplicaChunk:
+    """One piece of a replica's response: as many body bytes as were ready, coalesced into one item."""
+
+    # Response body bytes (SSE events for streams), possibly empty.
+    data: bytes
+    # On the first chunk only.
+    head: ResponseHead | None = None
+    # On the last chunk, when the response carried usage.
+    usage: TokenUsage | None = None
+
+
+def usage_from(payload: dict[str, Any]) -> TokenUsage | None:
+    """The usage of an OpenAI (or Anthropic) response body, if it has one."""
+    usage = payload.get("usage")
+    if not isinstance(usage, dict):
+        return None
+    prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
+    completion = usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
+    return TokenUsage(int(prompt), int(completion))

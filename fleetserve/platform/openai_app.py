@@ -1,0 +1,86 @@
+"""vLLM's own OpenAI server app, built over an engine replica's AsyncLLM as ``vllm serve`` builds it.
+
+Every vLLM request feature (structured outputs, tool calling, reasoning parsers, n, logit_bias,
+logprobs, echo, the Responses and Anthropic Messages APIs, tokenize) is therefore served exactly
+as ``vllm serve`` serves it: fleetserve reimplements none of it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from fleetserve.platform.chat_templates import SMOLLM2_TOOLS
+from fleetserve.platform.config import ApiConfig, ConfigError, ModelConfig
+
+# Frontend settings for packaged models whose own chat template has no tool support.
+PACKAGED_API_DEFAULTS: dict[str, ApiConfig] = {
+    "smollm2-135m-instruct": ApiConfig(tool_call_parser="hermes", chat_template=SMOLLM2_TOOLS),
+}
+
+
+def effective_api(model: ModelConfig) -> ApiConfig:
+    """The model's ``api`` section with the packaged model's defaults filled in where it sets nothing."""
+    defaults = PACKAGED_API_DEFAULTS.get(model.source)
+    if defaults is None:
+        return model.api
+    return model.api.model_copy(update={key: getattr(defaults, key) for key in ("tool_call_parser", "chat_template")
+                                        if getattr(model.api, key) is None})
+
+
+def frontend_flags(model: ModelConfig) -> list[str]:
+    """vLLM's frontend command-line flags for the model's ``api`` section (shared with bare ``vllm serve``)."""
+    api = effective_api(model)
+    flags: list[str] = []
+    if api.tool_call_parser is not None:
+        flags += ["--tool-call-parser", api.tool_call_parser]
+    auto_tools = api.enable_auto_tool_choice
+    if auto_tools if auto_tools is not None else api.tool_call_parser is not None:
+        flags.append("--enable-auto-tool-choice")
+    if api.chat_template is not None:
+        flags += ["--chat-template", api.chat_template]
+    if api.reasoning_parser is not None:
+        flags += ["--reasoning-parser", api.reasoning_parser]
+    if api.default_chat_template_kwargs is not None:
+        flags += ["--default-chat-template-kwargs", json.dumps(api.default_chat_template_kwargs)]
+    for key, value in api.extra.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"--no-{flag[2:]}")
+        else:
+            flags += [flag, json.dumps(value) if isinstance(value, (dict, list)) else str(value)]
+    return flags
+
+
+def frontend_args(model: ModelConfig, model_path: Path) -> Any:
+    """vLLM's parsed server arguments (an argparse Namespace) for this model.
+
+    Raises:
+        ConfigError: vLLM's parser rejects a flag of the ``api`` section.
+    """
+    from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    parser = make_arg_parser(FlexibleArgumentParser(exit_on_error=False))
+    argv = ["--model", str(model_path), "--served-model-name", model.name, *frontend_flags(model)]
+    try:
+        args = parser.parse_args(argv)
+        validate_parsed_serve_args(args)
+    except (SystemExit, Exception) as error:  # argparse exits on some errors even with exit_on_error off
+        raise ConfigError(f"models[{model.name}].api: vLLM rejects {frontend_flags(model)}: {error}") from None
+    # The replica's engine already logs stats; the app must not start its own stats task.
+    args.disable_log_stats = True
+    return args
+
+
+async def build_openai_app(engine_client: Any, model: ModelConfig, model_path: Path) -> Any:
+    """vLLM's FastAPI app serving ``model`` from ``engine_client`` (an AsyncLLM or a wrapper of one)."""
+    from vllm.entrypoints.launchers.api_server.app_state import init_app_state
+    from vllm.entrypoints.launchers.app import build_app
+
+    args = frontend_args(model, model_path)
+    supported_tasks = await engine_client.get_supported_tasks()
+    app = build_app(args, supported_tasks, engine_client.model_config)
+    await init_app_state(engine_client, app.state, args, supported_tasks)
+    return app

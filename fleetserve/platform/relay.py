@@ -1,0 +1,77 @@
+"""Turns an in-process app's response into the replica chunks the ingress relays: the head with the first
+bytes, then coalesced bytes, then the request's usage."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+
+from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead, TokenUsage, usage_from
+from fleetserve.platform.asgi_call import AppStart
+
+# vLLM's usage event in a chat or completions stream: a chunk with no choices.
+_USAGE_MARK = b'"choices":[],'
+
+
+def request_headers(request: ApiRequest) -> list[tuple[bytes, bytes]]:
+    """Headers the replica's vLLM app gets: the request id, from which vLLM names the response and the
+    engine request."""
+    return [(b"x-request-id", request.request_id.encode())]
+
+
+def split_usage_event(data: bytes) -> tuple[bytes, TokenUsage | None]:
+    """Finds a stream's usage event in ``data``; returns ``data`` without it and the usage it carried."""
+    mark = data.find(_USAGE_MARK)
+    if mark < 0:
+        return data, None
+    start = data.rfind(b"data: ", 0, mark)
+    end = data.find(b"\n\n", mark)
+    if start < 0 or end < 0:
+        return data, None
+    try:
+        usage = usage_from(json.loads(data[start + len(b"data: "):end]))
+    except ValueError:
+        return data, None
+    return data[:start] + data[end + 2:], usage
+
+
+async def relay(events: AsyncIterator[AppStart | bytes], head: ResponseHead,
+                strip_usage: bool = False) -> AsyncIterator[ReplicaChunk]:
+    """The replica chunks of one response.
+
+    The first chunk waits for the first body bytes, so an ingress that has it knows the replica started
+    streaming (a replica that dies before then can be retried). A final chunk carries the usage.
+
+    Args:
+        events: ``call_app``'s output.
+        head: the replica's identity; status and media type are filled in from the app.
+        strip_usage: drop a stream's usage event (the ingress asked for it; the client did not).
+    """
+    start = await anext(events)
+    head = dataclasses.replace(head, status_code=start.status_code, media_type=start.media_type)
+    usage: TokenUsage | None = None
+    body = bytearray()
+    first = True
+    async for data in events:
+        if head.is_stream:
+            if _USAGE_MARK in data:
+                kept, found = split_usage_event(data)
+                usage = found or usage
+                data = kept if strip_usage and found is not None else data
+        else:
+            body += data
+        if first:
+            first = False
+            yield ReplicaChunk(data, head=head)
+        elif data:
+            yield ReplicaChunk(data)
+    if first:
+        yield ReplicaChunk(b"", head=head)
+    if not head.is_stream and head.status_code == 200:
+        try:
+            usage = usage_from(json.loads(body))
+        except ValueError:
+            usage = None
+    if usage is not None:
+        yield ReplicaChunk(b"", usage=usage)
