@@ -28,7 +28,9 @@ from fleetserve.deployments.disaggregated.prefill_server import (
     prefill_body,
 )
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead
+from fleetserve.deployments.protocol import APIError
+from fleetserve.deployments.request_fields import read_fields
+from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead, RoutingHints
 from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import EngineRequestError
@@ -117,11 +119,17 @@ class DecodeServer(EngineServer):
             EngineRequestError: every attempt failed (503).
         """
         body = prefill_body(payload, request.endpoint)
+        # The hints did not travel with the request (they are never pickled): the prefill pool's
+        # cache-aware router needs them rebuilt from the body here.
+        try:
+            routing = read_fields(request.endpoint, payload).routing_hints(None)
+        except APIError:
+            routing = RoutingHints()
         errors: list[str] = []
         for attempt in range(1, self.settings.max_prefill_attempts + 1):
             # Each attempt is a new engine request: a half-finished one may still be running elsewhere.
             attempt_request = ApiRequest(f"{request.request_id}-p{attempt}", request.endpoint, body,
-                                         routing=request.routing)
+                                         routing=routing)
             try:
                 return await asyncio.wait_for(self.prefill_client.prefill(attempt_request),
                                               self.settings.prefill_timeout_s)
