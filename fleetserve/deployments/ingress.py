@@ -444,7 +444,8 @@ class OpenAIIngress:
         """The body to forward, and whether the replica should drop a usage event the ingress asked for.
 
         The body goes as the client sent it, except that a routed name becomes the chosen model and a chat
-        or completions stream asks for its usage (for cost accounting; the replica strips it again).
+        or completions stream asks for its usage (for cost accounting; the replica strips it again). vLLM's
+        --enable-force-include-usage would also put usage on every chunk the client gets.
         """
         payload = fields.payload
         changed = model != fields.model

@@ -74,6 +74,8 @@ class ApiConfig(_Strict):
     chat_template: str | None = None
     # vLLM's --reasoning-parser (e.g. deepseek_r1, qwen3): splits reasoning from content.
     reasoning_parser: str | None = None
+    # usage.prompt_tokens_details.cached_tokens (prefix-cache hits) in every response; vLLM's default is off.
+    enable_prompt_tokens_details: bool = True
     # Keyword arguments every request's chat template gets unless the request sets them.
     default_chat_template_kwargs: dict[str, Any] | None = None
     # Any other vLLM frontend flag by its field name (e.g. {"max_log_len": 100}); checked by vLLM's parser.

@@ -42,6 +42,8 @@ def frontend_flags(model: ModelConfig) -> list[str]:
         flags += ["--chat-template", api.chat_template]
     if api.reasoning_parser is not None:
         flags += ["--reasoning-parser", api.reasoning_parser]
+    if api.enable_prompt_tokens_details:
+        flags.append("--enable-prompt-tokens-details")
     if api.default_chat_template_kwargs is not None:
         flags += ["--default-chat-template-kwargs", json.dumps(api.default_chat_template_kwargs)]
     for key, value in api.extra.items():
