@@ -35,7 +35,7 @@ GENERATING_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.
 
 @dataclass(frozen=True)
 class RoutingHints:
-    """What the replica router reads about a request (the prefill pool's router too, for PD models)."""
+    """What the replica router reads about a request, in the caller's process; never sent to a replica."""
 
     # The text prefix-aware routing matches on: the prompt, or the messages' roles and contents in order.
     prefix_text: str = ""
@@ -60,8 +60,11 @@ class ApiRequest:
     # The ingress asked for a stream's usage (for cost accounting) where the client did not: the replica
     # reads the usage event and drops it, so the client gets the stream it asked for.
     strip_usage: bool = False
-    # Read by the replica router; they travel with the request (Serve's router may see a copy of it).
+    # Read by the replica router before the call is sent; dropped when the request is pickled.
     routing: RoutingHints = field(default_factory=RoutingHints)
+
+    def __reduce__(self):
+        return (ApiRequest, (self.request_id, self.endpoint, self.body, self.strip_usage))
 
 
 @dataclass(frozen=True)
