@@ -166,6 +166,9 @@ class Engine:
         from vllm.v1.engine.async_llm import AsyncLLM
 
         kwargs = model.engine_args.to_vllm_kwargs()
+        if model.api.reasoning_parser is not None:
+            # An engine arg in vLLM: structured outputs must know where reasoning ends.
+            kwargs.setdefault("reasoning_parser", model.api.reasoning_parser)
         unknown = sorted(set(model.engine_args.extra) - _vllm_engine_arg_names())
         if unknown:
             raise ConfigError(f"models[{model.name}].engine_args.extra: vLLM has no engine args {unknown}")

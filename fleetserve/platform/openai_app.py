@@ -73,6 +73,9 @@ def frontend_args(model: ModelConfig, model_path: Path) -> Any:
         raise ConfigError(f"models[{model.name}].api: vLLM rejects {frontend_flags(model)}: {error}") from None
     # The replica's engine already logs stats; the app must not start its own stats task.
     args.disable_log_stats = True
+    # vLLM's engine args copy the reasoning parser into this config, which `vllm serve` shares with its
+    # frontend; the replica's engine is built apart, so the frontend's copy gets it here.
+    args.structured_outputs_config.reasoning_parser = args.reasoning_parser or ""
     return args
 
 

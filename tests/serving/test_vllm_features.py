@@ -15,8 +15,9 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
+# strict: vLLM (like OpenAI) holds a call's arguments to the tool's schema only for strict tools.
 WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
+    "name": "get_weather", "description": "The weather in a city", "strict": True,
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                    "required": ["city"], "additionalProperties": False}}}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -41,14 +42,23 @@ def test_json_schema_output_validates_against_its_schema(client):
     jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
 
 
-def test_required_tool_choice_returns_tool_calls(client):
+def test_named_tool_choice_returns_a_call_with_valid_arguments(client):
+    reply = client.chat.completions.create(
+        model="smollm2", messages=ASK, tools=[WEATHER_TOOL], max_tokens=40, temperature=0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+
+def test_required_tool_choice_returns_tool_calls_with_valid_arguments(client):
     reply = client.chat.completions.create(model="smollm2", messages=ASK, tools=[WEATHER_TOOL], max_tokens=60,
                                            temperature=0, tool_choice="required")
     calls = reply.choices[0].message.tool_calls
     assert reply.choices[0].finish_reason == "tool_calls" and calls
     assert {call.function.name for call in calls} == {"get_weather"}
     for call in calls:
-        json.loads(call.function.arguments)  # vLLM's JSON; see docs/architecture.md on its schema checks
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
 
 
 def test_auto_tool_choice_is_served_out_of_the_box(client):

@@ -1,0 +1,41 @@
+"""The vLLM frontend flags a model's `api:` section becomes, parsed by vLLM's own parser (no engine)."""
+
+from pathlib import Path
+
+import pytest
+
+from fleetserve.platform.chat_templates import SMOLLM2_TOOLS
+from fleetserve.platform.config import ConfigError, ModelConfig
+from fleetserve.platform.openai_app import frontend_args, frontend_flags
+
+
+def model(source: str = "unused", **api) -> ModelConfig:
+    return ModelConfig(name="m", source=source, api=api)
+
+
+def test_packaged_smollm2_gets_tools_template_and_hermes():
+    assert frontend_flags(model("smollm2-135m-instruct")) == [
+        "--tool-call-parser", "hermes", "--enable-auto-tool-choice", "--chat-template", SMOLLM2_TOOLS,
+        "--enable-prompt-tokens-details"]
+
+
+def test_the_config_overrides_packaged_defaults():
+    flags = frontend_flags(model("smollm2-135m-instruct", tool_call_parser="llama3_json",
+                                 enable_auto_tool_choice=False, enable_prompt_tokens_details=False))
+    assert flags == ["--tool-call-parser", "llama3_json", "--chat-template", SMOLLM2_TOOLS]
+
+
+def test_every_flag_reaches_vllms_parser():
+    args = frontend_args(model(reasoning_parser="deepseek_r1", default_chat_template_kwargs={"thinking": False},
+                               extra={"tool_strict_level": "parameter", "max_log_len": 100,
+                                      "enable_request_id_headers": True}), Path("/models/m"))
+    assert (args.model, args.served_model_name) == ("/models/m", ["m"])
+    assert args.structured_outputs_config.reasoning_parser == "deepseek_r1"
+    assert args.default_chat_template_kwargs == {"thinking": False}
+    assert (args.tool_strict_level, args.max_log_len, args.enable_request_id_headers) == ("parameter", 100, True)
+    assert args.enable_prompt_tokens_details and args.tool_call_parser is None
+
+
+def test_a_flag_vllm_rejects_is_a_config_error_naming_the_model():
+    with pytest.raises(ConfigError, match=r"models\[m\]\.api: vLLM rejects"):
+        frontend_args(model(extra={"tool_strict_level": "lax"}), Path("/models/m"))
