@@ -32,3 +32,30 @@ def test_bench_against_fleetserve_and_bare_vllm_then_compare(served, bare_vllm, 
                               capture_output=True, text=True, timeout=60)
     assert compared.returncode == 0
     assert "fleetserve" in compared.stderr and "vllm" in compared.stderr and "ratio" in compared.stderr
+
+
+def _content(url: str, path: str, body: dict) -> str:
+    """The generated text of one request: the whole response's, or a stream's deltas joined."""
+    import httpx
+
+    if not body.get("stream"):
+        choice = httpx.post(f"{url}{path}", json=body, timeout=120).json()["choices"][0]
+        return choice["message"]["content"] if "message" in choice else choice["text"]
+    texts = []
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[len("data: "):])["choices"]:
+                    texts.append(choice.get("delta", {}).get("content") or choice.get("text") or "")
+    return "".join(texts)
+
+
+def test_greedy_content_equals_bare_vllm_serve(served, bare_vllm):
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 20,
+            "temperature": 0}
+    completion = {"model": "tiny", "prompt": "The capital of France is", "max_tokens": 20, "temperature": 0}
+    for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
+        for stream in (False, True):
+            request = {**body, "stream": stream}
+            ours = _content(served.base_url, path, request)
+            assert ours and ours == _content(bare_vllm, path, request), (path, stream)
