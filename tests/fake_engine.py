@@ -160,9 +160,6 @@ class FakeEngine:
 
         return app
 
-    async def abort(self, request_id: str) -> None:
-        self.aborted.append(request_id)
-
     def stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.running), num_finished=self.num_finished)
 

@@ -18,7 +18,6 @@ from typing import Any
 
 from ray import serve
 
-from fleetserve.platform.relay import relay, request_headers
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead
 from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
@@ -26,6 +25,7 @@ from fleetserve.platform.engine import Engine
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics
 from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.relay import relay, request_headers
 from fleetserve.platform.stats import EngineStats
 
 logger = logging.getLogger(__name__)
@@ -67,19 +67,26 @@ class EngineServer:
 
         Closing the stream early aborts the request in the engine.
         """
-        started_at = time.time()
+        async for chunk in self._run(request, request.body, time.time()):
+            yield chunk
+
+    async def respond(self, request: ApiRequest) -> tuple[ResponseHead, bytes]:
+        """The whole response of a request run on this replica's engine (its status and body)."""
+        chunks = [chunk async for chunk in self._run(request, request.body, time.time())]
+        return chunks[0].head, b"".join(chunk.data for chunk in chunks)
+
+    async def _run(self, request: ApiRequest, body: bytes, started_at: float,
+                   prefill_replica_id: str | None = None) -> AsyncIterator[ReplicaChunk]:
         app = await self.engine.openai_app()
-        events = call_app(app, request.endpoint.value, request.body, request_headers(request))
-        async for chunk in relay(events, ResponseHead(0, "", self.replica_id, started_at), request.strip_usage):
+        events = call_app(app, request.endpoint.value, body, request_headers(request))
+        head = ResponseHead(0, "", self.replica_id, started_at, prefill_replica_id)
+        async for chunk in relay(events, head, request.strip_usage):
             if chunk.head is not None and chunk.head.status_code == 404 and chunk.data.startswith(b'{"detail"'):
                 # vLLM's app has no such route for this model (FastAPI's own 404): say so in OpenAI's form.
                 chunk = dataclasses.replace(chunk, data=json.dumps({"error": {
                     "message": f"model `{self.model.name}` does not serve {request.endpoint.value}",
                     "type": "not_found_error", "param": None, "code": "endpoint_not_served"}}).encode())
             yield chunk
-
-    async def abort(self, request_id: str) -> None:
-        await self.engine.abort(request_id)
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -130,9 +137,12 @@ class ServeReplica:
                     config.pool, binding)
         return context.replica_id.unique_id, binding
 
-    def _start_publishing(self, metrics_hub: Any) -> None:
+    def _start_replica_tasks(self, metrics_hub: Any) -> None:
+        """Starts publishing metrics, and builds vLLM's app now rather than on the first request."""
+        loop = asyncio.get_event_loop()
+        self._app_warmup = loop.create_task(self.engine.openai_app())
         self._hub = metrics_hub
-        self._publisher = asyncio.get_event_loop().create_task(self._publish()) if metrics_hub else None
+        self._publisher = loop.create_task(self._publish()) if metrics_hub else None
 
     async def _publish(self) -> None:
         while self.engine is not None:
@@ -199,4 +209,4 @@ class EngineDeployment(ServeReplica, EngineServer):
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, replica_id=replica_id, cpu_binding=binding, model_path=model_path,
                          kv_events_port=self._kv_events_port(config))
-        self._start_publishing(metrics_hub)
+        self._start_replica_tasks(metrics_hub)

@@ -300,7 +300,7 @@ class OpenAIIngress:
             fields = read_fields(endpoint, parse_body(body))
             raw.state.model = fields.model if self._known(fields.model) else None
             self._admit(raw, fields)
-            return await self.serve_request(endpoint, fields, raw.headers.get(HEADER_SESSION), body)
+            return await self.serve_request(endpoint, fields, body, raw.headers.get(HEADER_SESSION))
 
         return handler
 
@@ -317,7 +317,7 @@ class OpenAIIngress:
         if limits.max_tokens is not None and fields.max_tokens is not None and fields.max_tokens > limits.max_tokens:
             raise APIError(f"max_tokens is {fields.max_tokens}; the limit is {limits.max_tokens}", 400,
                            param="max_tokens", code="max_tokens_too_large")
-        text = fields.prompt_text()
+        text = fields.prompt_text
         if len(text) > limits.max_prompt_chars:
             raise APIError(f"the prompt has {len(text)} characters; the limit is {limits.max_prompt_chars}", 400,
                            param="messages" if fields.messages is not None else "prompt", code="prompt_too_long")
@@ -337,7 +337,7 @@ class OpenAIIngress:
             self.front_door.check_model(principal, fields.model)
         else:
             self._client(fields.model)  # a 404 naming the models, as without auth
-        self.front_door.limiter.admit(principal.tenant, estimated_tokens(fields.prompt_text(), fields.max_tokens))
+        self.front_door.limiter.admit(principal.tenant, estimated_tokens(fields.prompt_text, fields.max_tokens))
 
     async def _refresh_loads(self) -> None:
         """Feeds the engines' stats to admission control, every LOAD_REFRESH_S, for the ingress's life."""
@@ -460,8 +460,8 @@ class OpenAIIngress:
             return body, False
         return json.dumps({**payload, "model": model}).encode(), strip_usage
 
-    async def serve_request(self, endpoint: Endpoint, fields: RequestFields, session_id: str | None = None,
-                            body: bytes | None = None) -> Response:
+    async def serve_request(self, endpoint: Endpoint, fields: RequestFields, body: bytes,
+                            session_id: str | None = None) -> Response:
         """Runs one API request on the model's engines; returns vLLM's response, streamed or whole."""
         received_at = time.time()
         choice = None
@@ -470,8 +470,7 @@ class OpenAIIngress:
         model = choice.model if choice is not None else fields.model
         client = self._client(model)
         request_id = new_id("req")
-        raw_body = body if body is not None else json.dumps(fields.payload).encode()
-        forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, raw_body)
+        forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body)
         request = ApiRequest(request_id, endpoint, forwarded, strip_usage, fields.routing_hints(session_id))
         if endpoint.generates:
             self._admit_to_engines(model)

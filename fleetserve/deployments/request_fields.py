@@ -4,8 +4,8 @@ prompt's text (for limits, rate charges and routing). vLLM validates everything 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from fleetserve.deployments.protocol import APIError
@@ -42,6 +42,7 @@ class RequestFields:
     def num_messages(self) -> int:
         return len(self.messages) if self.messages is not None else 0
 
+    @cached_property
     def prompt_text(self) -> str:
         """The prompt's text; token ids count as 4 characters each, like the token estimate."""
         if self.messages is not None:
@@ -49,9 +50,6 @@ class RequestFields:
         if isinstance(self.prompt, list):
             return " " * 4 * len(self.prompt)
         return self.prompt or ""
-
-    def estimated_prompt_tokens(self) -> int:
-        return math.ceil(len(self.prompt_text()) / 4)
 
     def routing_hints(self, session_id: str | None) -> RoutingHints:
         if self.messages is not None:

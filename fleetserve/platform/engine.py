@@ -121,27 +121,25 @@ KV_EVENTS_TOPIC = "kv"
 class Engine:
     """One vLLM engine (AsyncLLM) serving one model."""
 
-    def __init__(self, llm: Any, model: ModelConfig, model_path: Path, recorder: StatsRecorder) -> None:
+    def __init__(self, llm: Any, model_name: str, recorder: StatsRecorder, frontend_args: Any) -> None:
         self._llm = llm
-        self.model = model
-        self.model_name = model.name
-        self.model_path = model_path
+        self.model_name = model_name
         self._recorder = recorder
         self.tokenizer = llm.get_tokenizer()
+        # vLLM's parsed server flags for this model's OpenAI app.
+        self._frontend_args = frontend_args
         # Prompt tokens of requests with no output yet: the prefill backlog autoscaling reads.
         self.num_pending_prompt_tokens = 0
         self._app: Any = None
-        self._app_lock: asyncio.Lock | None = None
+        self._app_lock = asyncio.Lock()
 
     async def openai_app(self) -> Any:
-        """vLLM's own OpenAI app over this engine, built on first use (it needs a running event loop)."""
-        if self._app is None:
-            self._app_lock = self._app_lock or asyncio.Lock()
-            async with self._app_lock:
-                if self._app is None:
-                    from fleetserve.platform.openai_app import build_openai_app
+        """vLLM's own OpenAI app over this engine, built once (it needs a running event loop)."""
+        async with self._app_lock:
+            if self._app is None:
+                from fleetserve.platform.openai_app import build_openai_app
 
-                    self._app = await build_openai_app(_ObservedClient(self._llm, self), self.model, self.model_path)
+                self._app = await build_openai_app(_ObservedClient(self._llm, self), self._frontend_args)
         return self._app
 
     @classmethod
@@ -160,10 +158,15 @@ class Engine:
                 of every interface, for the router; None publishes none.
 
         Raises:
-            ConfigError: an ``engine_args.extra`` key that vLLM does not know.
+            ConfigError: an ``engine_args.extra`` key that vLLM does not know, or an ``api`` flag vLLM rejects
+                (both before any weights load).
         """
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
+
+        from fleetserve.platform.openai_app import frontend_args
+
+        frontend = frontend_args(model, model_path)
 
         kwargs = model.engine_args.to_vllm_kwargs()
         if model.api.reasoning_parser is not None:
@@ -188,7 +191,7 @@ class Engine:
                                disable_log_stats=False, **kwargs)
         recorder = StatsRecorder(stats_listeners)
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[recorder.stat_logger_factory()])
-        return cls(llm, model, model_path, recorder)
+        return cls(llm, model.name, recorder, frontend)
 
     @property
     def kv_capacity_tokens(self) -> int | None:
@@ -204,10 +207,6 @@ class Engine:
     @property
     def max_model_len(self) -> int:
         return int(self._llm.model_config.max_model_len)
-
-    def encode(self, text: str) -> list[int]:
-        """Tokenizes a completion prompt the way vLLM would (with the model's special tokens)."""
-        return list(self.tokenizer.encode(text))
 
     def render_chat(self, messages: Sequence[dict[str, Any]]) -> list[int]:
         """Applies the model's chat template and tokenizes the result.

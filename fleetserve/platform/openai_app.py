@@ -65,12 +65,12 @@ def frontend_args(model: ModelConfig, model_path: Path) -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser(exit_on_error=False))
-    argv = ["--model", str(model_path), "--served-model-name", model.name, *frontend_flags(model)]
+    flags = frontend_flags(model)
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(["--model", str(model_path), "--served-model-name", model.name, *flags])
         validate_parsed_serve_args(args)
     except (SystemExit, Exception) as error:  # argparse exits on some errors even with exit_on_error off
-        raise ConfigError(f"models[{model.name}].api: vLLM rejects {frontend_flags(model)}: {error}") from None
+        raise ConfigError(f"models[{model.name}].api: vLLM rejects {flags}: {error}") from None
     # The replica's engine already logs stats; the app must not start its own stats task.
     args.disable_log_stats = True
     # vLLM's engine args copy the reasoning parser into this config, which `vllm serve` shares with its
@@ -79,12 +79,11 @@ def frontend_args(model: ModelConfig, model_path: Path) -> Any:
     return args
 
 
-async def build_openai_app(engine_client: Any, model: ModelConfig, model_path: Path) -> Any:
-    """vLLM's FastAPI app serving ``model`` from ``engine_client`` (an AsyncLLM or a wrapper of one)."""
+async def build_openai_app(engine_client: Any, args: Any) -> Any:
+    """vLLM's FastAPI app over ``engine_client`` (an AsyncLLM or a wrapper of one), from ``frontend_args``."""
     from vllm.entrypoints.launchers.api_server.app_state import init_app_state
     from vllm.entrypoints.launchers.app import build_app
 
-    args = frontend_args(model, model_path)
     supported_tasks = await engine_client.get_supported_tasks()
     app = build_app(args, supported_tasks, engine_client.model_config)
     await init_app_state(engine_client, app.state, args, supported_tasks)

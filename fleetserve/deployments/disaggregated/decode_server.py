@@ -31,11 +31,9 @@ from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.protocol import APIError
 from fleetserve.deployments.request_fields import read_fields
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead, RoutingHints
-from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import EngineRequestError
 from fleetserve.platform.kv_transfer import KVTransferSpec
-from fleetserve.platform.relay import relay, request_headers
 
 logger = logging.getLogger(__name__)
 
@@ -149,15 +147,12 @@ class DecodeServer(EngineServer):
         keys = ("model", "messages", "prompt", "tools", "chat_template", "chat_template_kwargs",
                 "add_generation_prompt", "continue_final_message", "add_special_tokens")
         body = json.dumps({key: payload[key] for key in keys if key in payload}).encode()
-        chunks = [chunk async for chunk in super().forward(
-            ApiRequest(f"{request.request_id}-t", Endpoint.TOKENIZE, body))]
-        if chunks[0].head.status_code != 200:
+        head, tokens = await self.respond(ApiRequest(f"{request.request_id}-t", Endpoint.TOKENIZE, body))
+        if head.status_code != 200:
             return 0  # the request itself will get vLLM's error when run locally
-        return int(json.loads(b"".join(chunk.data for chunk in chunks)).get("count", 0))
+        return int(json.loads(tokens).get("count", 0))
 
     async def _prefills_remotely(self, request: ApiRequest, payload: dict[str, Any]) -> bool:
-        if request.endpoint not in (Endpoint.CHAT, Endpoint.COMPLETIONS):
-            return False
         # Several samples, prompt logprobs and echo need the prompt computed here.
         if (payload.get("n") or 1) > 1 or (payload.get("best_of") or 1) > 1 or payload.get("echo") \
                 or payload.get("prompt_logprobs") is not None:
@@ -175,12 +170,14 @@ class DecodeServer(EngineServer):
             EngineRequestError: the prefill pool failed on every attempt (503).
         """
         started_at = time.time()
-        try:
-            payload = json.loads(request.body)
-        except ValueError:
-            payload = None
+        payload = None
+        if request.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+            try:
+                payload = json.loads(request.body)
+            except ValueError:
+                pass  # vLLM's app answers it
         if not isinstance(payload, dict) or not await self._prefills_remotely(request, payload):
-            async for chunk in super().forward(request):
+            async for chunk in self._run(request, request.body, started_at):
                 yield chunk
             return
         prefill = await self._remote_prefill(request, payload)
@@ -189,10 +186,7 @@ class DecodeServer(EngineServer):
                 prefill.error_status, "application/json", self.replica_id, started_at, prefill.replica_id))
             return
         body = json.dumps({**payload, "kv_transfer_params": prefill.kv_transfer_params}).encode()
-        app = await self.engine.openai_app()
-        events = call_app(app, request.endpoint.value, body, request_headers(request))
-        head = ResponseHead(0, "", self.replica_id, started_at, prefill.replica_id)
-        async for chunk in relay(events, head, request.strip_usage):
+        async for chunk in self._run(request, body, started_at, prefill.replica_id):
             yield chunk
 
 
@@ -206,4 +200,4 @@ class DecodeDeployment(KVTransferReplica, DecodeServer):
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, prefill_client=HandlePrefillClient(prefill), kv_transfer=self._kv_transfer(config),
                          replica_id=replica_id, cpu_binding=binding, model_path=model_path)
-        self._start_publishing(metrics_hub)
+        self._start_replica_tasks(metrics_hub)

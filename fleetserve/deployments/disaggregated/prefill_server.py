@@ -76,9 +76,7 @@ class PrefillServer(EngineServer):
         Raises:
             PrefillError: vLLM failed the request (5xx) or returned no KV transfer parameters.
         """
-        chunks = [chunk async for chunk in self.forward(request)]
-        head = chunks[0].head
-        body = b"".join(chunk.data for chunk in chunks)
+        head, body = await self.respond(request)
         if 400 <= head.status_code < 500:
             return PrefillResult(self.replica_id, error_status=head.status_code, error_body=body)
         if head.status_code != 200:
@@ -128,4 +126,4 @@ class PrefillDeployment(KVTransferReplica, PrefillServer):
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, kv_transfer=self._kv_transfer(config), replica_id=replica_id,
                          cpu_binding=binding, model_path=model_path)
-        self._start_publishing(metrics_hub)
+        self._start_replica_tasks(metrics_hub)
