@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import sys
 import time
@@ -11,7 +10,7 @@ import httpx
 
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.model_store import resolve_source
-from fleetserve.platform.openai_app import frontend_flags
+from fleetserve.platform.openai_app import cli_flags, frontend_flags
 
 
 def free_port() -> int:
@@ -28,16 +27,8 @@ def bare_vllm_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 8
     """
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_source(model.source)),
                "--served-model-name", model.name, "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
-    for key, value in model.engine_args.to_vllm_kwargs().items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            command.append(flag if value else f"--no-{flag[2:]}")
-        elif isinstance(value, dict):
-            command += [flag, json.dumps(value)]
-        else:
-            command += [flag, str(value)]
     # The same frontend flags (tool parser, chat template) fleetserve's replicas give vLLM's app.
-    return command + frontend_flags(model)
+    return command + cli_flags(model.engine_args.to_vllm_kwargs()) + frontend_flags(model)
 
 
 def wait_until_ready(base_url: str, timeout_s: float = 600.0, process=None) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator, model_validator
@@ -26,8 +26,25 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
 
-class EngineArgs(_Strict):
+class _WithExtra(_Strict):
+    """A section with typed keys plus ``extra`` for the rest; a key may not be given in both places."""
+
+    # The section's name in error messages.
+    _section: ClassVar[str] = ""
+
+    @field_validator("extra", check_fields=False)
+    @classmethod
+    def _extra_is_not_typed(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        overlap = sorted(set(extra) & (set(cls.model_fields) - {"extra"}))
+        if overlap:
+            raise ValueError(f"repeats typed keys {overlap}; set them directly under {cls._section}")
+        return extra
+
+
+class EngineArgs(_WithExtra):
     """vLLM engine arguments. The common ones are typed; ``extra`` passes anything else through."""
+
+    _section: ClassVar[str] = "engine_args"
 
     # Longest prompt + output in tokens; None takes the model's own limit.
     max_model_len: int | None = Field(default=None, gt=0)
@@ -50,21 +67,15 @@ class EngineArgs(_Strict):
     # Any other AsyncEngineArgs field; checked against vLLM when the engine is built.
     extra: dict[str, Any] = Field(default_factory=dict)
 
-    @field_validator("extra")
-    @classmethod
-    def _extra_is_not_typed(cls, extra: dict[str, Any]) -> dict[str, Any]:
-        overlap = sorted(set(extra) & (set(cls.model_fields) - {"extra"}))
-        if overlap:
-            raise ValueError(f"repeats typed keys {overlap}; set them directly under engine_args")
-        return extra
-
     def to_vllm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``vllm.AsyncEngineArgs``; unset optional fields are left out."""
         return {**self.model_dump(exclude={"extra"}, exclude_none=True), **self.extra}
 
 
-class ApiConfig(_Strict):
+class ApiConfig(_WithExtra):
     """vLLM's OpenAI server options for one model: what ``vllm serve`` takes as frontend flags."""
+
+    _section: ClassVar[str] = "api"
 
     # vLLM's --tool-call-parser (e.g. hermes, llama3_json); None takes the packaged model's default, if any.
     tool_call_parser: str | None = None
@@ -80,14 +91,6 @@ class ApiConfig(_Strict):
     default_chat_template_kwargs: dict[str, Any] | None = None
     # Any other vLLM frontend flag by its field name (e.g. {"max_log_len": 100}); checked by vLLM's parser.
     extra: dict[str, Any] = Field(default_factory=dict)
-
-    @field_validator("extra")
-    @classmethod
-    def _extra_is_not_typed(cls, extra: dict[str, Any]) -> dict[str, Any]:
-        overlap = sorted(set(extra) & (set(cls.model_fields) - {"extra"}))
-        if overlap:
-            raise ValueError(f"repeats typed keys {overlap}; set them directly under api")
-        return extra
 
 
 class Resources(_Strict):

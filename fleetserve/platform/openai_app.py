@@ -46,7 +46,13 @@ def frontend_flags(model: ModelConfig) -> list[str]:
         flags.append("--enable-prompt-tokens-details")
     if api.default_chat_template_kwargs is not None:
         flags += ["--default-chat-template-kwargs", json.dumps(api.default_chat_template_kwargs)]
-    for key, value in api.extra.items():
+    return flags + cli_flags(api.extra)
+
+
+def cli_flags(options: dict[str, Any]) -> list[str]:
+    """vLLM command-line flags for options given by field name: ``--no-x`` for false, JSON for structures."""
+    flags: list[str] = []
+    for key, value in options.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else f"--no-{flag[2:]}")
