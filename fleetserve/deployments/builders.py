@@ -15,6 +15,7 @@ from fleetserve.deployments.metrics_hub import MetricsHubDeployment
 from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, parse_config
 from fleetserve.platform.engine import plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.openai_app import chat_template_text
 
 
 def cpu_bindings_per_deployment(config: PlatformConfig, num_cores: int | None = None) -> dict[str, list[str] | None]:
@@ -45,7 +46,9 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
         options = model.deployment_options()
         if model.routing.prefix_source == "kv_events":
             # The router tokenizes prompts as the engines do, to match the blocks their events describe.
-            options["request_router_config"]["request_router_kwargs"]["tokenizer_source"] = model_path or model.source
+            router_kwargs = options["request_router_config"]["request_router_kwargs"]
+            router_kwargs["tokenizer_source"] = model_path or model.source
+            router_kwargs["chat_template"] = chat_template_text(model)
         return EngineDeployment.options(**options).bind(
             model.model_dump(), bindings[model.deployment_name], model_path, hub)
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")

@@ -103,13 +103,17 @@ def _vllm_engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
 
 
-def chat_token_ids(tokenizer: Any, messages: Sequence[dict[str, Any]]) -> list[int]:
+def chat_token_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], chat_template: str | None = None) -> list[int]:
     """A chat's prompt token ids, exactly as the engine builds them (the router hashes the same ids).
+
+    Args:
+        chat_template: the template the model's replicas render with; None: the tokenizer's own.
 
     Raises:
         ValueError: the tokenizer has no chat template, or the template rejects the messages.
     """
-    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False,
+                                         chat_template=chat_template)
     # The template writes its own special tokens; adding them again would double the BOS.
     return list(tokenizer.encode(text, add_special_tokens=False))
 

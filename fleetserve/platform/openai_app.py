@@ -29,6 +29,13 @@ def effective_api(model: ModelConfig) -> ApiConfig:
                                         if getattr(model.api, key) is None})
 
 
+def chat_template_text(model: ModelConfig) -> str | None:
+    """The chat template the model's replicas render with (from a file or inline); None: the model's own."""
+    from vllm.renderers.chat_utils import load_chat_template
+
+    return load_chat_template(effective_api(model).chat_template)
+
+
 def frontend_flags(model: ModelConfig) -> list[str]:
     """vLLM's frontend command-line flags for the model's ``api`` section (shared with bare ``vllm serve``)."""
     api = effective_api(model)

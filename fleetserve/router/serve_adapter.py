@@ -35,13 +35,15 @@ class EventKeys:
     """Routing keys for prefix_source kv_events: each request's prompt token ids, tokenized exactly as the
     engine does, and a subscription to every replica's KV event stream."""
 
-    def __init__(self, tokenizer_source: str) -> None:
+    def __init__(self, tokenizer_source: str, chat_template: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         from fleetserve.platform.engine import KV_EVENTS_TOPIC
         from fleetserve.platform.model_store import resolve_source
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_source(tokenizer_source)))
+        # The replicas' chat template (the model's api.chat_template), so chats key as the engine renders them.
+        self.chat_template = chat_template
         self.index = KVEventIndex()
         self.subscriber = KVEventSubscriber(self.index, topic=KV_EVENTS_TOPIC)
 
@@ -60,7 +62,7 @@ class EventKeys:
             return []
         if routing.messages is not None:
             try:
-                return chat_token_ids(self.tokenizer, routing.messages)
+                return chat_token_ids(self.tokenizer, routing.messages, self.chat_template)
             except ValueError:
                 return []  # the engine will reject it; any replica can say so
         prompt = routing.prompt
@@ -71,8 +73,9 @@ class FleetserveRequestRouter(FIFOMixin, RequestRouter):
     """Chooses replicas with a ``fleetserve.router.replica_policy`` policy."""
 
     def initialize_state(self, policy: str = "cache_aware", prefix_source: str = "routed",
-                         tokenizer_source: str | None = None, **thresholds: Any) -> None:
-        self.event_keys = EventKeys(tokenizer_source) if prefix_source == "kv_events" else None
+                         tokenizer_source: str | None = None, chat_template: str | None = None,
+                         **thresholds: Any) -> None:
+        self.event_keys = EventKeys(tokenizer_source, chat_template) if prefix_source == "kv_events" else None
         index = self.event_keys.index if self.event_keys is not None else None
         self.policy = make_policy(policy, index, **thresholds)
         self.outstanding: Counter[str] = Counter()

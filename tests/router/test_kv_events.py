@@ -161,3 +161,22 @@ def test_no_block_size_yet_matches_nothing():
     assert index.hashes(list(range(300))) == []
     index.block_size = 4
     assert len(index.hashes(list(range(9)))) == 2
+
+
+def test_event_keys_render_chats_with_the_replicas_chat_template():
+    from types import SimpleNamespace
+
+    from fleetserve.platform.api_types import RoutingHints
+    from fleetserve.router.serve_adapter import EventKeys
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    messages = [{"role": "user", "content": "hello there"}]
+    request = SimpleNamespace(routing=RoutingHints(messages=messages))
+    keys, own = EventKeys("tiny-random-llama", chat_template=template), EventKeys("tiny-random-llama")
+    try:
+        # Exactly the ids of the template's text, which differ from the model's own (ChatML) rendering.
+        assert keys.key(request) == keys.tokenizer.encode("[user] hello there\n", add_special_tokens=False)
+        assert own.key(request) != keys.key(request)
+    finally:
+        keys.subscriber.close()
+        own.subscriber.close()
