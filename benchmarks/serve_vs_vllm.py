@@ -1,15 +1,17 @@
-"""fleetserve vs bare vLLM: same model, same engine args, same cores, same workload, in one run.
+"""fleetserve vs bare vLLM vs Ray Serve LLM: same model, same engine args, same cores, same workload, in one run.
 
-    .venv/bin/python benchmarks/serve_vs_vllm.py [--num-prompts 64] [--concurrency 4,16] [--binding 0-1,1]
+    .venv/bin/python benchmarks/serve_vs_vllm.py [--num-prompts 64] [--concurrency 4,16,64] [--binding 0-1,1]
 
-Each server runs alone, its engine pinned to the same cores as the other's, and is measured with `fleetserve bench`'s runner
-(warm-ups first). Prints a markdown table of the figures and the ratios fleetserve / vLLM.
+Each server runs alone, its engine pinned to the same cores as the others', and is measured with `fleetserve bench`'s
+runner (warm-ups first). Prints markdown tables of the figures, the ratios to bare vLLM, and each process group's CPU
+time per streamed output token. Ray Serve LLM needs pyarrow (`pip install -e ".[bench]"`).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
 import signal
@@ -28,8 +30,10 @@ from fleetserve.loadtest.runner import BenchConfig, RunResult, run_benchmark
 from fleetserve.platform.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
+# Batch limits set explicitly, so no server's own defaults differ from another's.
 MODEL = {"name": "smollm2", "source": "smollm2-135m-instruct",
-         "engine_args": {"dtype": "bfloat16", "max_model_len": 2048, "kv_cache_memory_bytes": 256 * 2**20},
+         "engine_args": {"dtype": "bfloat16", "max_model_len": 2048, "kv_cache_memory_bytes": 256 * 2**20,
+                         "max_num_seqs": 128, "max_num_batched_tokens": 2048},
          "resources": {"num_cpus": 0.1, "cpu_binding": ["0-1"]}}
 FIGURES = ["output_throughput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms",
            "median_itl_ms", "p99_itl_ms"]
@@ -55,6 +59,9 @@ def _group(process: psutil.Process) -> str | None:
     for marker, group in (("VLLM::Worker", "vLLM worker (model compute)"), ("VLLM::EngineCore", "vLLM engine core"),
                           ("ServeReplica:fleetserve:engine", "engine replica (AsyncLLM front-end)"),
                           ("ServeReplica:fleetserve:ingress", "ingress replica (FastAPI)"),
+                          ("ServeReplica:ray-serve-llm:LLMServer", "engine replica (AsyncLLM front-end)"),
+                          ("ServeReplica:ray-serve-llm:OpenAiIngress", "ingress replica (FastAPI)"),
+                          ("ServeReplica:ray-serve-llm", "ingress replica (FastAPI)"),
                           ("ProxyActor", "Serve HTTP proxy"), ("ServeReplica:fleetserve:metrics", "metrics hub"),
                           ("api_server", "vLLM API server (front-end)"), ("serve_vs_vllm", "load tester"),
                           ("ServeController", "Ray and Serve control plane"), ("raylet", "Ray and Serve control plane"),
@@ -90,9 +97,13 @@ def measure(url: str, specs, concurrencies: list[int]) -> list[RunResult]:
         result = asyncio.run(run_benchmark(config, specs))
         after = cpu_seconds()
         duration = result.metrics["duration"]
+        used = {group: after[group] - before.get(group, 0.0) for group in after
+                if after[group] - before.get(group, 0.0) > 0.01}
         # Share of the 2 cores each part used during the measured run (warm-ups are included: small).
-        result.metrics["cpu_share"] = {group: (after[group] - before.get(group, 0.0)) / duration
-                                       for group in after if after[group] - before.get(group, 0.0) > 0.01}
+        result.metrics["cpu_share"] = {group: seconds / duration for group, seconds in used.items()}
+        # CPU milliseconds each part spent per streamed output token.
+        result.metrics["cpu_ms_per_token"] = {group: 1000 * seconds / result.metrics["total_output_tokens"]
+                                              for group, seconds in used.items()}
         results.append(result)
         print(f"  concurrency {concurrency}: {result.metrics['output_throughput']:.1f} tok/s", flush=True)
     return results
@@ -115,24 +126,35 @@ def run_vllm(specs, concurrencies, port: int, binding: str) -> list[RunResult]:
         process.wait(timeout=60)
 
 
-def run_fleetserve(specs, concurrencies, port: int, binding: str) -> list[RunResult]:
-    config_path = Path(tempfile.mkdtemp()) / "bench.yaml"
-    config_path.write_text(yaml.safe_dump({"models": [model_entry(binding)]}))
-    process = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", str(config_path), "--port", str(port)],
-                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def _run_until_ready(command: list[str], name: str, specs, concurrencies, port: int) -> list[RunResult]:
+    """Starts a server that prints READY when it serves, measures it, and stops it with SIGINT."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         if not process.stdout.readline().startswith("READY"):
-            raise RuntimeError("fleetserve did not start")
+            raise RuntimeError(f"{name} did not start")
         return measure(f"http://127.0.0.1:{port}", specs, concurrencies)
     finally:
         process.send_signal(signal.SIGINT)
         process.wait(timeout=120)
 
 
+def run_fleetserve(specs, concurrencies, port: int, binding: str) -> list[RunResult]:
+    config_path = Path(tempfile.mkdtemp()) / "bench.yaml"
+    config_path.write_text(yaml.safe_dump({"models": [model_entry(binding)]}))
+    return _run_until_ready([sys.executable, "-m", "fleetserve.cli", "serve", str(config_path), "--port", str(port)],
+                            "fleetserve", specs, concurrencies, port)
+
+
+def run_ray_serve_llm(specs, concurrencies, port: int, binding: str) -> list[RunResult]:
+    entry = json.dumps(model_entry(binding))
+    return _run_until_ready([sys.executable, str(ROOT / "benchmarks" / "ray_serve_llm_server.py"), entry, str(port),
+                             binding], "Ray Serve LLM", specs, concurrencies, port)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--concurrency", default="4,16")
+    parser.add_argument("--concurrency", default="4,16,64")
     parser.add_argument("--binding", default="0-1,1",
                         help="engine core bindings to compare, comma-separated; each is used by both servers")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "serve_vs_vllm")
@@ -142,26 +164,35 @@ def main() -> None:
     for binding in args.binding.split(","):
         print(f"engine bound to cores {binding}: bare vLLM ...", flush=True)
         vllm = run_vllm(specs, concurrencies, 8011, binding)
+        print(f"engine bound to cores {binding}: Ray Serve LLM ...", flush=True)
+        ray_llm = run_ray_serve_llm(specs, concurrencies, 8013, binding)
         print(f"engine bound to cores {binding}: fleetserve ...", flush=True)
         ours = run_fleetserve(specs, concurrencies, 8012, binding)
-        save_results(args.out / f"vllm-cores{binding}.json", vllm, detailed=False)
-        save_results(args.out / f"fleetserve-cores{binding}.json", ours, detailed=False)
-        report(binding, concurrencies, vllm, ours)
+        servers = {"bare vLLM": vllm, "Ray Serve LLM": ray_llm, "fleetserve": ours}
+        for name, results in servers.items():
+            save_results(args.out / f"{name.replace(' ', '-').lower()}-cores{binding}.json", results, detailed=False)
+        report(binding, concurrencies, servers)
 
 
-def report(binding: str, concurrencies: list[int], vllm: list[RunResult], ours: list[RunResult]) -> None:
+def report(binding: str, concurrencies: list[int], servers: dict[str, list[RunResult]]) -> None:
+    """Markdown tables: each figure per server with its ratio to bare vLLM, then CPU per token per group."""
+    names = list(servers)
     print(f"\n### engine on cores {binding}\n")
-    print("| concurrency | figure | bare vLLM | fleetserve | fleetserve / vLLM |\n|---|---|---|---|---|")
-    for concurrency, theirs, mine in zip(concurrencies, vllm, ours, strict=True):
+    print("| concurrency | figure | " + " | ".join(names) + " | " +
+          " | ".join(f"{name} / vLLM" for name in names[1:]) + " |")
+    print("|---" * (2 + 2 * len(names) - 1) + "|")
+    for index, concurrency in enumerate(concurrencies):
         for key in FIGURES:
-            a, b = theirs.metrics[key], mine.metrics[key]
-            print(f"| {concurrency} | {key} | {a:.1f} | {b:.1f} | {b / a:.3f} |")
-    print("\n| concurrency | process group | bare vLLM (cores) | fleetserve (cores) |\n|---|---|---|---|")
-    for concurrency, theirs, mine in zip(concurrencies, vllm, ours, strict=True):
-        groups = sorted(set(theirs.metrics["cpu_share"]) | set(mine.metrics["cpu_share"]))
-        for group in groups:
-            print(f"| {concurrency} | {group} | {theirs.metrics['cpu_share'].get(group, 0.0):.2f} "
-                  f"| {mine.metrics['cpu_share'].get(group, 0.0):.2f} |")
+            values = [servers[name][index].metrics[key] for name in names]
+            print(f"| {concurrency} | {key} | " + " | ".join(f"{value:.1f}" for value in values) + " | " +
+                  " | ".join(f"{value / values[0]:.3f}" for value in values[1:]) + " |")
+    print("\nCPU ms per streamed output token:\n")
+    print("| concurrency | process group | " + " | ".join(names) + " |\n" + "|---" * (2 + len(names)) + "|")
+    for index, concurrency in enumerate(concurrencies):
+        per_token = [servers[name][index].metrics["cpu_ms_per_token"] for name in names]
+        for group in sorted(set().union(*per_token)):
+            print(f"| {concurrency} | {group} | " + " | ".join(f"{shares.get(group, 0.0):.2f}" for shares in per_token)
+                  + " |")
 
 
 if __name__ == "__main__":

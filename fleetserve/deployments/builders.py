@@ -13,7 +13,7 @@ from fleetserve.deployments.engine_server import EngineDeployment
 from fleetserve.deployments.ingress import IngressDeployment
 from fleetserve.deployments.metrics_hub import MetricsHubDeployment
 from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, parse_config
-from fleetserve.platform.engine import plan_cpu_binding
+from fleetserve.platform.engine import Engine, plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source
 from fleetserve.platform.openai_app import chat_template_text
 
@@ -40,7 +40,7 @@ def cpu_bindings_per_deployment(config: PlatformConfig, num_cores: int | None = 
 
 
 def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
-                       hub: Any) -> Application:
+                       hub: Any, engine_cls: type[Engine]) -> Application:
     """The deployment the ingress calls for ``model``: its engine, or its decode pool behind a prefill pool."""
     if model.disaggregation is None:
         options = model.deployment_options()
@@ -50,7 +50,7 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
             router_kwargs["tokenizer_source"] = model_path or model.source
             router_kwargs["chat_template"] = chat_template_text(model)
         return EngineDeployment.options(**options).bind(
-            model.model_dump(), bindings[model.deployment_name], model_path, hub)
+            model.model_dump(), bindings[model.deployment_name], model_path, hub, engine_cls)
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
     prefill_app = PrefillDeployment.options(**prefill.deployment_options()).bind(
         model.model_dump(), bindings[prefill.deployment_name], model_path, hub)
@@ -58,7 +58,7 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
         model.model_dump(), bindings[decode.deployment_name], model_path, hub, prefill_app)
 
 
-def build_app(config: PlatformConfig, resolve_locally: bool = True) -> Application:
+def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: type[Engine] = Engine) -> Application:
     """The Serve application: one engine deployment per model (or a prefill and a decode deployment for a
     disaggregated model) behind one OpenAI ingress.
 
@@ -66,13 +66,14 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True) -> Applicati
         config: the platform config.
         resolve_locally: resolve (and convert) model sources here, once, and hand replicas the
             folder; False lets each replica resolve its own source (multi-node clusters).
+        engine_cls: the colocated replicas' engine (``InstantEngine`` measures the serving path alone).
     """
     bindings = cpu_bindings_per_deployment(config)
     hub = MetricsHubDeployment.bind()
     engines = {}
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None
-        engines[model.name] = _engine_deployment(model, bindings, model_path, hub)
+        engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls)
     routing = config.model_routing.model_dump() if config.model_routing is not None else None
     auth = config.auth.model_dump() if config.auth is not None else None
     return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models}, routing,

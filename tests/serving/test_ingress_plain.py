@@ -162,3 +162,17 @@ async def test_requests_are_counted_by_route_model_and_status(server, prefix):
     counts = {(s.labels["model"], s.labels["status"]): s.value for f in text_string_to_metric_families(text)
               for s in f.samples if s.name == "fleetserve_requests_total" and s.labels["route"] == "/v1/completions"}
     assert counts == {("fake", "200"): 2, ("unknown", "404"): 1}
+
+
+async def test_instant_engine_streams_its_tokens_through_the_path():
+    from fleetserve.platform.instant_engine import InstantEngine
+
+    server = EngineServer(ModelConfig(name="instant", source="unused"), engine_cls=InstantEngine, model_path="/unused")
+    app = OpenAIIngress({"instant": LocalModelClient(server)}).build_app()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        response = await http.post("/v1/completions", json={"model": "instant", "prompt": "x", "max_tokens": 5,
+                                                            "stream": True})
+    payloads = sse_payloads(response.text)
+    # 5 one-token chunks; the usage event the ingress asked for was stripped again.
+    assert [p["choices"][0]["text"] for p in payloads] == [" t"] * 5
+    assert payloads[-1]["choices"][0]["finish_reason"] == "length"

@@ -1,0 +1,74 @@
+"""The serving path's own ceiling: streamed tokens/s through Serve proxy, ingress and engine replica, with an
+engine that produces tokens instantly (fleetserve.platform.instant_engine), and the CPU each part spends.
+
+    .venv/bin/python benchmarks/front_door_ceiling.py [--concurrency 16,64] [--tokens 256]
+
+The load tester shares the machine's 2 cores with the path, so the tokens/s are a lower bound; the CPU
+milliseconds per token of each front-end process are not, and they decide how many front-end cores a
+GPU replica's token rate needs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+
+from serve_vs_vllm import cpu_seconds
+
+from fleetserve.loadtest.baseline import free_port
+from fleetserve.loadtest.datasets import RequestSpec
+from fleetserve.loadtest.runner import BenchConfig, run_benchmark
+from fleetserve.platform.config import parse_config
+
+# The groups that are the path in front of an engine (the load tester and Ray's control plane are not).
+FRONT_END = ("Serve HTTP proxy", "ingress replica (FastAPI)", "engine replica (AsyncLLM front-end)", "metrics hub")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--concurrency", default="16,64")
+    parser.add_argument("--tokens", type=int, default=256, help="output tokens per request")
+    parser.add_argument("--num-requests", type=int, default=4, help="requests per concurrent stream")
+    args = parser.parse_args()
+
+    import ray
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+    from fleetserve.platform.instant_engine import InstantEngine
+
+    ray.init(include_dashboard=False, log_to_driver=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    config = parse_config({"models": [{"name": "instant", "source": "tiny-random-llama",
+                                       "resources": {"num_cpus": 0.1}}]})
+    serve.run(build_app(config, engine_cls=InstantEngine), name="fleetserve", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    print("| concurrency | streamed tokens/s | front-end cores used | tokens/s per front-end core | "
+          + " | ".join(f"{group} (CPU ms/token)" for group in FRONT_END) + " |")
+    print("|---" * (4 + len(FRONT_END)) + "|")
+    try:
+        for concurrency in (int(part) for part in args.concurrency.split(",")):
+            bench = BenchConfig(base_url=url, model="instant", request_rate=math.inf, max_concurrency=concurrency,
+                                num_warmups=4, percentiles=[50, 99])
+            before = cpu_seconds()
+            result = asyncio.run(run_benchmark(bench, [RequestSpec("x", 1, args.tokens)]
+                                               * (concurrency * args.num_requests)))
+            after = cpu_seconds()
+            metrics = result.metrics
+            if metrics["failed"]:
+                raise RuntimeError(f"{metrics['failed']} requests failed at concurrency {concurrency}")
+            tokens, duration = metrics["total_output_tokens"], metrics["duration"]
+            used = {group: after.get(group, 0.0) - before.get(group, 0.0) for group in FRONT_END}
+            cores = sum(used.values()) / duration
+            rate = tokens / duration
+            print(f"| {concurrency} | {rate:.0f} | {cores:.2f} | {rate / cores:.0f} | "
+                  + " | ".join(f"{1000 * used[group] / tokens:.3f}" for group in FRONT_END) + " |", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
