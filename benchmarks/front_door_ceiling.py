@@ -1,7 +1,10 @@
 """The serving path's own ceiling: streamed tokens/s through Serve proxy, ingress and engine replica, with an
 engine that produces tokens instantly (fleetserve.platform.instant_engine), and the CPU each part spends.
 
-    .venv/bin/python benchmarks/front_door_ceiling.py [--concurrency 16,64] [--tokens 256]
+    .venv/bin/python benchmarks/front_door_ceiling.py [--concurrency 16,64] [--tokens 256] [--env KEY=VALUE ...]
+
+--env sets Ray Serve options before Ray starts (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1),
+so each run of the script measures one configuration of the path.
 
 The load tester shares the machine's 2 cores with the path, so the tokens/s are a lower bound; the CPU
 milliseconds per token of each front-end process are not, and they decide how many front-end cores a
@@ -13,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 
 from serve_vs_vllm import cpu_seconds
 
@@ -30,7 +34,11 @@ def main() -> None:
     parser.add_argument("--concurrency", default="16,64")
     parser.add_argument("--tokens", type=int, default=256, help="output tokens per request")
     parser.add_argument("--num-requests", type=int, default=4, help="requests per concurrent stream")
+    parser.add_argument("--env", action="append", default=[], help="KEY=VALUE set before Ray starts")
     args = parser.parse_args()
+    # Serve reads its options from the environment when its modules load, in every process Ray starts.
+    os.environ.update(dict(item.split("=", 1) for item in args.env))
+    label = " ".join(args.env) or "defaults"
 
     import ray
     from ray import serve
@@ -45,6 +53,7 @@ def main() -> None:
                                        "resources": {"num_cpus": 0.1}}]})
     serve.run(build_app(config, engine_cls=InstantEngine), name="fleetserve", route_prefix="/")
     url = f"http://127.0.0.1:{port}"
+    print(f"\nServe options: {label}\n")
     print("| concurrency | streamed tokens/s | front-end cores used | tokens/s per front-end core | "
           + " | ".join(f"{group} (CPU ms/token)" for group in FRONT_END) + " |")
     print("|---" * (4 + len(FRONT_END)) + "|")
