@@ -31,7 +31,9 @@ def main() -> None:
         # The engine's worker on the same cores as the other servers' (read when vLLM spawns it).
         runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": cores}},
         deployment_config={"num_replicas": 1})
-    ray.init(include_dashboard=False, log_to_driver=False)
+    # Logical CPUs only gate scheduling: Ray Serve LLM asks a whole one for its ingress and its engine's
+    # placement group, more than the 2 Ray detects here; the engine's cores are pinned above.
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=8)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_openai_app({"llm_configs": [config]}), name="ray-serve-llm", route_prefix="/")
     print("READY", flush=True)
