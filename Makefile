@@ -9,13 +9,22 @@ TORCH  := torch==2.13.0
 CONFIG ?=
 PYTEST_ARGS ?=
 
-.PHONY: serve test install bench clean router-checkpoints
+.PHONY: serve test test-fast lint-imports install bench clean router-checkpoints
 
 serve: $(STAMPS)/install
 	$(BIN)/fleetserve serve $(CONFIG)
 
-test: $(STAMPS)/install $(STAMPS)/system
+# Everything: the architecture's import contracts, then every test, real engines included (~17 min on 2 cores).
+test: $(STAMPS)/install $(STAMPS)/system lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The unit tests only (no Ray, no vLLM engine; under a minute): the inner loop.
+test-fast: $(STAMPS)/install lint-imports
+	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# The layers and forbidden imports declared under [tool.importlinter] in pyproject.toml.
+lint-imports: $(STAMPS)/install
+	$(BIN)/lint-imports
 
 install: $(STAMPS)/install
 

@@ -18,9 +18,22 @@ from fake_engine import FakeEngine
 MiB = 1024 * 1024
 
 
+# Fixtures that start real engines or servers (Ray, vLLM): a test that uses one must be marked slow,
+# so `make test-fast` (-m "not slow") never starts an engine.
+REAL_ENGINE_FIXTURES = frozenset({"ray_cluster", "served", "two_replica_app", "bare_vllm", "real_engine"})
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     # Earlier runs may have left vLLM segments behind; they would pile up on CI machines.
     remove_orphaned_segments()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    unmarked = [item.nodeid for item in items
+                if REAL_ENGINE_FIXTURES & set(getattr(item, "fixturenames", ()))
+                and item.get_closest_marker("slow") is None]
+    if unmarked:
+        raise pytest.UsageError("tests that start real engines must be marked slow:\n  " + "\n  ".join(unmarked))
 
 
 # The suite's shared app: the tiny model on core 0, SmolLM2 on core 1, and the routed name `auto`

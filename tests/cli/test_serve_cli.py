@@ -15,7 +15,7 @@ from fleetserve.loadtest.baseline import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-
+@pytest.mark.slow
 def test_serve_starts_answers_and_stops_on_sigint(tmp_path):
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}

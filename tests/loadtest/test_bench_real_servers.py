@@ -4,6 +4,10 @@ import json
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow
+
 
 def bench(url: str, out, *extra: str) -> dict:
     done = subprocess.run([sys.executable, "-m", "fleetserve.cli", "bench", "--base-url", url, "--model", "tiny",

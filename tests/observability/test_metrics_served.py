@@ -17,6 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from fleetserve.loadtest.baseline import free_port
 
+pytestmark = pytest.mark.slow
+
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "fleetserve" / "dashboards" / "fleetserve.json"
 MODEL = "tiny-cache-aware"
 

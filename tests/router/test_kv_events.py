@@ -111,6 +111,7 @@ async def wait_for(condition, timeout_s: float = 10.0) -> bool:
     return True
 
 
+@pytest.mark.slow
 def test_real_engine_events_track_its_prefix_cache(engine_with_events):
     from fleetserve.platform.engine import SamplingOptions
 

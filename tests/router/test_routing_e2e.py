@@ -8,6 +8,8 @@ import pytest
 
 from fleetserve.loadtest.datasets import PromptMaker, shared_prefix_dataset
 
+pytestmark = pytest.mark.slow
+
 
 def send_workload(url: str, model: str) -> tuple[dict[int, set[str]], list[str], float]:
     # 8 groups x 4 requests, sequential so load never overrides affinity. Each prompt: ~400 shared words + 10 own.

@@ -9,6 +9,8 @@ import httpx
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow
+
 MODELS = ["tiny", "smollm2"]
 COMPLETION_PROMPTS = [
     "The capital of France is",
