@@ -36,7 +36,7 @@ from typing import Callable
 
 import numpy as np
 
-from fleetserve.autoscaler.commands import plot_timeline
+from fleetserve.cli.autoscale import plot_timeline
 from fleetserve.autoscaler.policy import Decision, KVCacheConfig, KVCachePolicy, Limits, PoolObservation, make_policy
 from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, simulate
 from fleetserve.autoscaler.traces import TraceRequest, from_rate, ramp

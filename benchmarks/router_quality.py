@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 
 from fleetserve.platform.config import ModelRoutingConfig
-from fleetserve.router.commands import plot_curves
-from fleetserve.router.embedders import embed_cached, make_embedder
-from fleetserve.router.evaluation import evaluate_routers, strong_fraction_at
-from fleetserve.router.model_routes import RouteTable
-from fleetserve.router.quality_router import random_router, train_router
-from fleetserve.router.routing_data import data_sha256, load_training_data
+from fleetserve.cli.router import plot_curves
+from fleetserve.router.model.embedders import embed_cached, make_embedder
+from fleetserve.router.model.evaluation import evaluate_routers, strong_fraction_at
+from fleetserve.router.model.routes import RouteTable
+from fleetserve.router.model.quality_router import random_router, train_router
+from fleetserve.router.model.routing_data import data_sha256, load_training_data
 
 DEFAULT_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "routellm" / "mmlu"
 

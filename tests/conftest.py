@@ -89,8 +89,8 @@ def ray_cluster():
 @pytest.fixture(scope="session")
 def routing_checkpoint(tmp_path_factory) -> Any:
     """A hashing-embedder classifier trained on synthetic_correctness(), calibrated at strong_fraction 0.5."""
-    from fleetserve.router.embedders import make_embedder
-    from fleetserve.router.quality_router import train_router
+    from fleetserve.router.model.embedders import make_embedder
+    from fleetserve.router.model.quality_router import train_router
 
     data = synthetic_correctness()
     router = train_router("classifier", data, make_embedder("hashing-256"))

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from fleetserve.router.routing_data import CorrectnessTable
+from fleetserve.router.model.routing_data import CorrectnessTable
 
 
 def synthetic_correctness(num_prompts: int = 40, hard_every: int = 4) -> CorrectnessTable:

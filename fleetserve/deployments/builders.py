@@ -10,7 +10,7 @@ from ray.serve import Application
 from fleetserve.deployments.disaggregated.decode_server import DecodeDeployment
 from fleetserve.deployments.disaggregated.prefill_server import PrefillDeployment
 from fleetserve.deployments.engine_server import EngineDeployment
-from fleetserve.deployments.ingress import IngressDeployment
+from fleetserve.deployments.ingress.server import IngressDeployment
 from fleetserve.deployments.metrics_hub import MetricsHubDeployment
 from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, parse_config
 from fleetserve.platform.engine import Engine, plan_cpu_binding

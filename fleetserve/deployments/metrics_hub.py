@@ -11,7 +11,7 @@ from collections import Counter
 
 from ray import serve
 
-from fleetserve.deployments.admission import EngineReport
+from fleetserve.deployments.ingress.admission import EngineReport
 from fleetserve.platform.stats import EngineStats
 
 

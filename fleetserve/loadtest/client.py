@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 import httpx
 
-from fleetserve.deployments.protocol import ROUTING_HEADERS
+from fleetserve.deployments.ingress.protocol import ROUTING_HEADERS
 from fleetserve.loadtest.datasets import RequestSpec
 
 Api = Literal["chat", "completions"]

@@ -189,7 +189,7 @@ class AutoscalingConfig(_Strict):
 
 
 class RoutingConfig(_Strict):
-    """How requests are spread over a model's replicas (see fleetserve.router.replica_policy)."""
+    """How requests are spread over a model's replicas (see fleetserve.router.replica.policy)."""
 
     # cache_aware: prefix-cache affinity after a load-imbalance check; session: sticky by `user` or
     # x-session-id, cache_aware for new sessions; round_robin; least_loaded; power_of_two: Ray Serve's default.
@@ -216,7 +216,7 @@ class RoutingConfig(_Strict):
         if self.policy == "power_of_two":
             return None
         return {
-            "request_router_class": "fleetserve.router.serve_adapter:FleetserveRequestRouter",
+            "request_router_class": "fleetserve.router.replica.serve_adapter:FleetserveRequestRouter",
             "request_router_kwargs": {"policy": self.policy, "balance_abs_threshold": self.balance_abs_threshold,
                                       "balance_rel_threshold": self.balance_rel_threshold,
                                       "cache_threshold": self.cache_threshold, "prefix_source": self.prefix_source},
@@ -424,7 +424,7 @@ class ModelRoute(_Strict):
 
     # The name clients send as ``model``, e.g. "auto".
     name: str
-    # random, mf or classifier (see fleetserve.router.quality_router).
+    # random, mf or classifier (see fleetserve.router.model.quality_router).
     router: Literal["random", "mf", "classifier"]
     # Escalate to a stronger tier when its predicted win rate is at or above this (RouteLLM's threshold).
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)

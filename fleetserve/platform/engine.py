@@ -118,7 +118,7 @@ def chat_token_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], chat_temp
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-# The topic engines publish their KV cache events under (fleetserve.router.kv_events subscribes to it).
+# The topic engines publish their KV cache events under (fleetserve.router.replica.kv_events subscribes to it).
 KV_EVENTS_TOPIC = "kv"
 
 

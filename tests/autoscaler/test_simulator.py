@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from fleetserve.autoscaler.policy import KVCacheConfig, KVCachePolicy, Limits, make_policy
 from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, simulate
 from fleetserve.autoscaler.traces import TraceRequest, bursts, synthetic
-from fleetserve.cli import app
+from fleetserve.cli.main import app
 
 PROFILE = ReplicaProfile(kv_capacity_tokens=1000, prefill_tokens_per_s=4000, decode_step_base_s=0.01,
                          decode_step_per_seq_s=0.001, max_num_seqs=8, max_num_batched_tokens=2048, startup_s=10)

@@ -9,9 +9,9 @@ import pytest
 from factories import synthetic_correctness
 from typer.testing import CliRunner
 
-from fleetserve.cli import app
-from fleetserve.router.quality_router import load_router
-from fleetserve.router.routing_data import load_training_data
+from fleetserve.cli.main import app
+from fleetserve.router.model.quality_router import load_router
+from fleetserve.router.model.routing_data import load_training_data
 
 runner = CliRunner()
 

@@ -72,12 +72,12 @@ def test_extra_may_not_repeat_typed_keys():
 
 
 def test_routed_example_resolves_checkpoints_next_to_the_file():
-    from fleetserve.router.model_routes import RouteTable
+    from fleetserve.router.model.routes import RouteTable
 
     from factories import synthetic_correctness
 
-    from fleetserve.router.embedders import make_embedder
-    from fleetserve.router.quality_router import train_router
+    from fleetserve.router.model.embedders import make_embedder
+    from fleetserve.router.model.quality_router import train_router
 
     config = load_config(EXAMPLES / "routed.yaml")
     assert config.model_routing.checkpoints["mf"] == str((EXAMPLES / "routers" / "mmlu-mf-minilm").resolve())

@@ -9,8 +9,8 @@ import pytest
 import yaml
 
 from fleetserve.platform.config import parse_config
-from fleetserve.platform.gpus import GPUS, gpu
-from fleetserve.platform.planner import (
+from fleetserve.ops.gpus import GPUS, gpu
+from fleetserve.ops.planner import (
     GiB,
     ModelPlan,
     PlanError,

@@ -16,7 +16,7 @@ import cluster_helpers
 from cluster_helpers import kill, wait_until_healthy
 from conftest import Served
 from factories import model_entry
-from fleetserve.deployments.protocol import HEADER_POOL, HEADER_PREFILL_REPLICA, HEADER_REPLICA
+from fleetserve.deployments.ingress.protocol import HEADER_POOL, HEADER_PREFILL_REPLICA, HEADER_REPLICA
 from fleetserve.platform.config import parse_config
 
 pytestmark = [pytest.mark.slow]

@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 from typer.testing import CliRunner
 
-from fleetserve.cli import app
+from fleetserve.cli.main import app
 from fleetserve.loadtest.baseline import free_port
 
 pytest.importorskip("kubernetes")

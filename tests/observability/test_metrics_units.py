@@ -7,8 +7,9 @@ from pathlib import Path
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
 
-from fleetserve.platform.metrics import EngineMetrics, PlatformMetrics, merge_expositions
-from fleetserve.platform.status import parse_metrics, status_table
+from fleetserve.deployments.ingress.metrics import IngressMetrics
+from fleetserve.platform.metrics import EngineMetrics, merge_expositions
+from fleetserve.ops.status import parse_metrics, status_table
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "fleetserve" / "dashboards" / "fleetserve.json"
 
@@ -49,7 +50,7 @@ def test_merged_exposition_keeps_every_replica_and_parses():
     replicas = [EngineMetrics("m", f"r{i}") for i in range(2)]
     for replica in replicas:
         replica.record(*step())
-    merged = merge_expositions([PlatformMetrics().exposition()] + [r.exposition() for r in replicas])
+    merged = merge_expositions([IngressMetrics().exposition()] + [r.exposition() for r in replicas])
     text = merged.decode()
     assert text.count("# TYPE vllm:prompt_tokens_total counter") == 1
     got = samples(merged)

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from factories import MiB, model_entry
-from fleetserve.router.kv_events import KVEventIndex, KVEventSubscriber, token_block_hashes
+from fleetserve.router.replica.kv_events import KVEventIndex, KVEventSubscriber, token_block_hashes
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
@@ -143,7 +143,7 @@ def test_real_engine_events_track_its_prefix_cache(engine_with_events):
 
 
 def test_routed_blocks_count_until_their_ttl_unless_events_confirm():
-    from fleetserve.router.kv_events import PENDING_TTL_S
+    from fleetserve.router.replica.kv_events import PENDING_TTL_S
 
     now = [0.0]
     index = KVEventIndex(block_size=4, clock=lambda: now[0])
@@ -168,7 +168,7 @@ def test_event_keys_render_chats_with_the_replicas_chat_template():
     from types import SimpleNamespace
 
     from fleetserve.platform.api_types import RoutingHints
-    from fleetserve.router.serve_adapter import EventKeys
+    from fleetserve.router.replica.serve_adapter import EventKeys
 
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     messages = [{"role": "user", "content": "hello there"}]

@@ -8,12 +8,12 @@ import pytest
 from factories import synthetic_correctness
 
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.ingress import LocalModelClient, OpenAIIngress
+from fleetserve.deployments.ingress.server import LocalModelClient, OpenAIIngress
 from fleetserve.platform.config import ConfigError, ModelConfig, ModelRoutingConfig, parse_config
-from fleetserve.router.embedders import make_embedder
-from fleetserve.router.model_routes import RouteError, RouteTable, routing_text
-from fleetserve.router.quality_router import train_router
-from fleetserve.router.routing_data import CorrectnessTable
+from fleetserve.router.model.embedders import make_embedder
+from fleetserve.router.model.routes import RouteError, RouteTable, routing_text
+from fleetserve.router.model.quality_router import train_router
+from fleetserve.router.model.routing_data import CorrectnessTable
 
 HARD = "prove this difficult theorem rigorously case 0"
 EASY = "say hello politely case 1"

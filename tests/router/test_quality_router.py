@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 from factories import synthetic_correctness
 
-from fleetserve.router.embedders import HashingEmbedder, make_embedder, minilm_available
-from fleetserve.router.evaluation import (
+from fleetserve.router.model.embedders import HashingEmbedder, make_embedder, minilm_available
+from fleetserve.router.model.evaluation import (
     evaluate_routers,
     routing_curve,
     strong_fraction_at,
     threshold_for_strong_fraction,
 )
-from fleetserve.router.quality_router import CheckpointError, load_router, random_router, train_router
-from fleetserve.router.routing_data import DataError, load_training_data, split_of
+from fleetserve.router.model.quality_router import CheckpointError, load_router, random_router, train_router
+from fleetserve.router.model.routing_data import DataError, load_training_data, split_of
 
 MMLU = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "routellm" / "mmlu"
 needs_mmlu = pytest.mark.skipif(not MMLU.is_dir(), reason=f"RouteLLM MMLU data not found at {MMLU}")

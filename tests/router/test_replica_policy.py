@@ -2,8 +2,8 @@
 
 import pytest
 
-from fleetserve.router.prefix_index import PrefixIndex, block_hashes
-from fleetserve.router.replica_policy import (
+from fleetserve.router.replica.prefix_index import PrefixIndex, block_hashes
+from fleetserve.router.replica.policy import (
     CacheAwarePolicy,
     CacheAwareThresholds,
     NoReplicaError,

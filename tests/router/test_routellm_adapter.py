@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 from factories import synthetic_correctness
 
-from fleetserve.router.embedders import make_embedder
-from fleetserve.router.quality_router import train_router
-from fleetserve.router.routellm_adapter import RouteLLMMFRouter, export_mf, routellm_available
+from fleetserve.router.model.embedders import make_embedder
+from fleetserve.router.model.quality_router import train_router
+from fleetserve.router.model.routellm_adapter import RouteLLMMFRouter, export_mf, routellm_available
 
 pytestmark = pytest.mark.skipif(not routellm_available(),
                                 reason="routellm not installed (pip install 'fleetserve[routellm]')")

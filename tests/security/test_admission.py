@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fleetserve.deployments.admission import AdmissionController, EngineReport
+from fleetserve.deployments.ingress.admission import AdmissionController, EngineReport
 from fleetserve.platform.config import LimitsConfig, ModelConfig
 from fleetserve.platform.stats import EngineStats
 

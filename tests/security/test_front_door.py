@@ -13,8 +13,8 @@ import openai
 import pytest
 
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.ingress import LocalModelClient, OpenAIIngress
-from fleetserve.deployments.security import FrontDoor, RateLimiter, TokenBucket, hash_key
+from fleetserve.deployments.ingress.server import LocalModelClient, OpenAIIngress
+from fleetserve.deployments.ingress.security import FrontDoor, RateLimiter, TokenBucket, hash_key
 from fleetserve.platform.config import AuthConfig, ConfigError, ModelConfig, TenantConfig, parse_config
 
 KEYS = {"alpha": "sk-alpha-0001", "beta": "sk-beta-0002", "ops": "sk-ops-0003"}
@@ -146,7 +146,7 @@ def test_auth_off_is_loud(fake_engine_cls, caplog):
 def test_cli_hashes_a_key_from_stdin():
     from typer.testing import CliRunner
 
-    from fleetserve.cli import app
+    from fleetserve.cli.main import app
 
     result = CliRunner().invoke(app, ["auth", "hash-key"], input="sk-alpha-0001\n")
     assert result.exit_code == 0 and result.stdout.strip() == hash_key("sk-alpha-0001")

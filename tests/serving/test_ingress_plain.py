@@ -7,7 +7,7 @@ import httpx
 import pytest
 
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.ingress import LocalModelClient, OpenAIIngress
+from fleetserve.deployments.ingress.server import LocalModelClient, OpenAIIngress
 from fleetserve.platform.config import ModelConfig
 
 

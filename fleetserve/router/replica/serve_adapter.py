@@ -16,9 +16,9 @@ from ray.serve._private.request_router.common import PendingRequest
 from ray.serve._private.request_router.replica_wrapper import RunningReplica
 from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
 
-from fleetserve.router import decisions
-from fleetserve.router.kv_events import KVEventIndex, KVEventSubscriber
-from fleetserve.router.replica_policy import ReplicaLoad, make_policy
+from fleetserve.router.replica import decisions
+from fleetserve.router.replica.kv_events import KVEventIndex, KVEventSubscriber
+from fleetserve.router.replica.policy import ReplicaLoad, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class EventKeys:
 
 
 class FleetserveRequestRouter(FIFOMixin, RequestRouter):
-    """Chooses replicas with a ``fleetserve.router.replica_policy`` policy."""
+    """Chooses replicas with a ``fleetserve.router.replica.policy`` policy."""
 
     def initialize_state(self, policy: str = "cache_aware", prefix_source: str = "routed",
                          tokenizer_source: str | None = None, chat_template: str | None = None,

@@ -24,9 +24,9 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fleetserve.router.embedders import Embedder, make_embedder
-from fleetserve.router.evaluation import strong_fraction_at, threshold_for_strong_fraction
-from fleetserve.router.routing_data import Battles, CorrectnessTable, TrainingData
+from fleetserve.router.model.embedders import Embedder, make_embedder
+from fleetserve.router.model.evaluation import strong_fraction_at, threshold_for_strong_fraction
+from fleetserve.router.model.routing_data import Battles, CorrectnessTable, TrainingData
 
 RouterKind = Literal["random", "mf", "classifier"]
 ROUTER_KINDS: tuple[RouterKind, ...] = ("random", "mf", "classifier")

@@ -24,9 +24,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fleetserve.deployments.admission import AdmissionController, EngineReport
+from fleetserve.deployments.ingress.admission import AdmissionController, EngineReport
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.protocol import (
+from fleetserve.deployments.ingress.protocol import (
     HEADER_MODEL,
     HEADER_POOL,
     HEADER_PREFILL_REPLICA,
@@ -39,14 +39,15 @@ from fleetserve.deployments.protocol import (
     APIError,
     new_id,
 )
-from fleetserve.deployments.request_fields import RequestFields, parse_body, read_fields
-from fleetserve.deployments.security import FrontDoor, Principal, estimated_tokens
+from fleetserve.deployments.ingress.request_fields import RequestFields, parse_body, read_fields
+from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig
 from fleetserve.platform.engine import EngineRequestError
-from fleetserve.platform.metrics import PlatformMetrics, merge_expositions
-from fleetserve.router import decisions
-from fleetserve.router.model_routes import RouteChoice, RouteError, RouteTable, routing_text
+from fleetserve.deployments.ingress.metrics import IngressMetrics
+from fleetserve.platform.metrics import merge_expositions
+from fleetserve.router.replica import decisions
+from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, routing_text
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +188,7 @@ class OpenAIIngress:
         self.routes = routes
         # One thread: embedding uses one torch thread, and the event loop must not wait on it.
         self._route_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model-router")
-        self.platform_metrics = PlatformMetrics()
+        self.platform_metrics = IngressMetrics()
         self.front_door = front_door
         self.limits = limits or LimitsConfig()
         # Requests admitted and not yet finished, per served model (admission control).

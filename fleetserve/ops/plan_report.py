@@ -7,7 +7,7 @@ from typing import Any
 
 from rich.table import Table
 
-from fleetserve.platform.planner import GiB, GpuAssignment, ModelPlan, PlanInputs
+from fleetserve.ops.planner import GiB, GpuAssignment, ModelPlan, PlanInputs
 
 
 def plan_table(plans: list[ModelPlan], gpu_name: str, inputs: PlanInputs) -> Table:

@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from fleetserve.router.prefix_index import PrefixMatch, chained_hashes, num_leading
+from fleetserve.router.replica.prefix_index import PrefixMatch, chained_hashes, num_leading
 
 logger = logging.getLogger(__name__)
 # The chain's seed: the hash "before" a prompt's first block.

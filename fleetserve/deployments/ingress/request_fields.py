@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
-from fleetserve.deployments.protocol import APIError
+from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.platform.api_types import Endpoint, RoutingHints
 
 # The body field that holds the output budget, per endpoint, newest name first.

@@ -13,7 +13,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from fleetserve.deployments.protocol import APIError
+from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.platform.config import LimitsConfig, ModelConfig
 from fleetserve.platform.stats import EngineStats
 

@@ -12,7 +12,7 @@ import yaml
 from rich.console import Console
 from rich.table import Table
 
-from fleetserve.cli_errors import console, fail
+from fleetserve.cli.errors import console, fail
 from fleetserve.autoscaler.policy import make_policy
 from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, SimResult, simulate
 from fleetserve.autoscaler.traces import TraceRequest, from_bench, synthetic

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.platform.config import ModelConfig, PlatformConfig
-from fleetserve.platform.gpus import GpuSpec, MigProfile
+from fleetserve.ops.gpus import GpuSpec, MigProfile
 
 GiB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1, "int8": 1}

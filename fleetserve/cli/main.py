@@ -11,8 +11,8 @@ import typer
 from rich.console import Console
 
 from fleetserve.platform.config import ConfigError, PlatformConfig, default_config, load_config
-from fleetserve.autoscaler.commands import autoscale_app
-from fleetserve.router.commands import router_app
+from fleetserve.cli.autoscale import autoscale_app
+from fleetserve.cli.router import router_app
 
 app = typer.Typer(help="fleetserve: serve many LLMs behind one OpenAI-compatible endpoint.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -106,7 +106,7 @@ def status(
     from rich.console import Console as RichConsole
     from rich.live import Live
 
-    from fleetserve.platform.status import fetch, status_table
+    from fleetserve.ops.status import fetch, status_table
 
     out = RichConsole()
     with httpx.Client() as client:
@@ -136,7 +136,7 @@ def status(
 def _k8s_status(name: str, namespace: str, kubeconfig: Optional[str], context: Optional[str]) -> None:
     from rich.table import Table
 
-    from fleetserve.platform.kube import DeployError, rayservice_status
+    from fleetserve.ops.kube import DeployError, rayservice_status
 
     try:
         status = rayservice_status(name, namespace, kubeconfig, context)
@@ -172,7 +172,7 @@ def deploy(
     """Renders the chart's RayService and creates it, or patches it when it exists."""
     import yaml
 
-    from fleetserve.platform.kube import CHART, DeployError, apply_rayservice, merge_values, render_rayservice
+    from fleetserve.ops.kube import CHART, DeployError, apply_rayservice, merge_values, render_rayservice
 
     layers = []
     for path in values:
@@ -212,9 +212,9 @@ def plan(
 
     import yaml
 
-    from fleetserve.platform.gpus import gpu as gpu_spec
-    from fleetserve.platform.plan_report import packing_table, plan_json, plan_table
-    from fleetserve.platform.planner import PlanError, PlanInputs, chart_values, pack, plan_config
+    from fleetserve.ops.gpus import gpu as gpu_spec
+    from fleetserve.ops.plan_report import packing_table, plan_json, plan_table
+    from fleetserve.ops.planner import PlanError, PlanInputs, chart_values, pack, plan_config
 
     config = _load(config_path)
     try:
@@ -254,7 +254,7 @@ def auth_hash_key() -> None:
     """Print the sha256 of an API key (read from stdin) for auth.api_keys; the key is never stored."""
     import sys
 
-    from fleetserve.deployments.security import hash_key
+    from fleetserve.deployments.ingress.security import hash_key
 
     key = sys.stdin.readline().strip() if not sys.stdin.isatty() else typer.prompt("API key", hide_input=True)
     if not key:
@@ -332,7 +332,7 @@ def bench(
     from fleetserve.loadtest import datasets
     from fleetserve.loadtest.metrics import parse_goodput, parse_percentiles
     from fleetserve.loadtest.report import plot_run, plot_sweep, save_results, summary_table
-    from fleetserve.loadtest.runner import BenchConfig, BenchError, run_benchmark
+    from fleetserve.loadtest.runner import BenchConfig, BenchError
 
     if api not in ("chat", "completions"):
         raise typer.BadParameter("--api must be chat or completions")
@@ -426,6 +426,3 @@ def bench_compare(files: Annotated[list[Path], typer.Argument(help="Result files
         console.print(f"[red]error:[/] {error}")
         raise typer.Exit(2) from None
 
-
-if __name__ == "__main__":
-    app()

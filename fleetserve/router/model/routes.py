@@ -12,11 +12,25 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Protocol
 
 from fleetserve.platform.config import ModelRoutingConfig
-from fleetserve.router.quality_router import ROUTER_KINDS, CostQualityRouter, load_router, random_router
+from fleetserve.router.model.quality_router import ROUTER_KINDS, CostQualityRouter, load_router, random_router
 
 _ROUTELLM_NAME = re.compile(r"^router-([^-]+)-(.*)$")
+
+
+class WinRateRouter(Protocol):
+    """What a route needs of a router: the models it knows, and a win rate between two of them."""
+
+    # Which router (random, mf, classifier), for calibration lookups and messages.
+    kind: str
+    # The models the router scores, weakest first.
+    models: list[str]
+
+    def win_rate(self, prompt: str, model_a: str, model_b: str) -> float:
+        """P(model_a's answer beats model_b's) on this prompt, 0-1."""
+        ...
 
 
 class RouteError(ValueError):
@@ -28,7 +42,7 @@ class Route:
     """A resolved routed name."""
 
     name: str
-    router: CostQualityRouter
+    router: WinRateRouter
     threshold: float
     # Served model names, cheapest first.
     tiers: tuple[str, ...]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-from fleetserve.deployments.protocol import APIError
+from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.platform.config import APIKeyConfig, AuthConfig, ConfigError, TenantConfig
 
 SECONDS_PER_MINUTE = 60.0

@@ -11,10 +11,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from fleetserve.cli_errors import console, fail
-from fleetserve.router.embedders import embed_cached, make_embedder
-from fleetserve.router.evaluation import RouterEvaluation, evaluate_routers
-from fleetserve.router.quality_router import (
+from fleetserve.cli.errors import console, fail
+from fleetserve.router.model.embedders import embed_cached, make_embedder
+from fleetserve.router.model.evaluation import RouterEvaluation, evaluate_routers
+from fleetserve.router.model.quality_router import (
     CheckpointError,
     CostQualityRouter,
     TrainingParams,
@@ -22,7 +22,7 @@ from fleetserve.router.quality_router import (
     random_router,
     train_router,
 )
-from fleetserve.router.routing_data import CorrectnessTable, DataError, Split, data_sha256, load_training_data
+from fleetserve.router.model.routing_data import CorrectnessTable, DataError, Split, data_sha256, load_training_data
 
 router_app = typer.Typer(help="Cost/quality model routers (RouteLLM-compatible): train, calibrate, eval.",
                          no_args_is_help=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from fleetserve.router.replica_policy import RoutingDecision
+from fleetserve.router.replica.policy import RoutingDecision
 
 _MAX_RECENT = 10_000
 # Recent decisions by fleetserve request id; the ingress pops them for response headers.

@@ -13,8 +13,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from fleetserve.router.embedders import Embedder
-from fleetserve.router.quality_router import CostQualityRouter
+from fleetserve.router.model.embedders import Embedder
+from fleetserve.router.model.quality_router import CostQualityRouter
 
 
 def routellm_available() -> bool:

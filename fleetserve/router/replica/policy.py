@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from fleetserve.router.prefix_index import PrefixIndex
+from fleetserve.router.replica.prefix_index import PrefixIndex
 
 Reason = Literal["cache_hit", "load", "imbalance", "session", "round_robin", "power_of_two"]
 
@@ -45,9 +45,24 @@ class RoutingDecision:
 
 
 class ReplicaPolicy(Protocol):
-    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision: ...
+    """What Serve's request router (``serve_adapter``) runs for each request."""
 
-    def forget(self, live_replica_ids: Sequence[str]) -> None: ...
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+        """Picks one of ``replicas`` for a request.
+
+        Args:
+            text: the routing key: the prompt's text, or its token ids when keyed by the engines' KV events.
+            replicas: every live replica's load, as the router sees it now.
+            session_id: the request's session (``user`` or x-session-id), for session affinity.
+
+        Raises:
+            NoReplicaError: when ``replicas`` is empty.
+        """
+        ...
+
+    def forget(self, live_replica_ids: Sequence[str]) -> None:
+        """Drops what the policy holds about replicas that are no longer in ``live_replica_ids``."""
+        ...
 
 
 def _least_loaded(replicas: Sequence[ReplicaLoad]) -> ReplicaLoad:
