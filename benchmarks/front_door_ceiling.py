@@ -20,7 +20,7 @@ import os
 
 from serve_vs_vllm import cpu_seconds
 
-from fleetserve.loadtest.baseline import free_port
+from fleetserve.loadtest.local_server import free_port
 from fleetserve.loadtest.datasets import RequestSpec
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
 from fleetserve.platform.config import parse_config

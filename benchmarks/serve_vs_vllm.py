@@ -23,7 +23,8 @@ from pathlib import Path
 import psutil
 import yaml
 
-from fleetserve.loadtest.baseline import bare_vllm_command, wait_until_ready
+from fleetserve.loadtest.local_server import wait_until_ready
+from fleetserve.platform.openai_app import vllm_serve_command
 from fleetserve.loadtest.datasets import PromptMaker, random_dataset
 from fleetserve.loadtest.report import save_results
 from fleetserve.loadtest.runner import BenchConfig, RunResult, run_benchmark
@@ -116,7 +117,7 @@ def model_entry(binding: str) -> dict:
 def run_vllm(specs, concurrencies, port: int, binding: str) -> list[RunResult]:
     model = parse_config({"models": [model_entry(binding)]}).models[0]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": binding}
-    process = subprocess.Popen(bare_vllm_command(model, port=port), env=env, stdout=subprocess.DEVNULL,
+    process = subprocess.Popen(vllm_serve_command(model, port=port), env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     try:
         wait_until_ready(f"http://127.0.0.1:{port}", process=process)

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fleetserve.loadtest.baseline import free_port
+from fleetserve.loadtest.local_server import free_port
 from fleetserve.platform.config import PlatformConfig, parse_config
 from fleetserve.platform.shm import remove_orphaned_segments
 from fleetserve.platform.stats import EngineStats
@@ -182,12 +182,13 @@ def bare_vllm():
     import os
     import subprocess
 
-    from fleetserve.loadtest.baseline import bare_vllm_command, wait_until_ready
+    from fleetserve.loadtest.local_server import wait_until_ready
+    from fleetserve.platform.openai_app import vllm_serve_command
 
     port = free_port()
     model = SERVED_CONFIG.model("tiny")
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "1"}
-    process = subprocess.Popen(bare_vllm_command(model, port=port), env=env, stdout=subprocess.DEVNULL,
+    process = subprocess.Popen(vllm_serve_command(model, port=port), env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:

@@ -45,10 +45,8 @@ def serve(
     host = host or config.server.host
     port = port or config.server.port
 
-    import ray
-    from ray import serve as ray_serve
-
     from fleetserve.deployments.builders import build_app
+    from fleetserve.deployments.local_run import deploy, start_ray
     from fleetserve.platform.model_store import ModelSourceError
     from fleetserve.platform.shm import remove_orphaned_segments
 
@@ -65,21 +63,17 @@ def serve(
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     names = ", ".join(model.name for model in config.models)
-    with console.status("starting Ray"):
-        ray.init(include_dashboard=False, log_to_driver=verbose, configure_logging=verbose)
     try:
-        ray_serve.start(http_options={"host": host, "port": port})
-        with console.status(f"deploying {names} (engines take ~30-90 s to start on CPU)"):
-            ray_serve.run(application, name="fleetserve", route_prefix="/")
-        console.print(f"[bold green]fleetserve ready[/] at http://{host}:{port}/v1  models: {names}")
-        console.print("Ctrl-C to stop.")
-        print(f"READY http://{host}:{port}/v1", flush=True)
-        while not stop.wait(0.5):
-            pass
-        console.print("stopping...")
+        with start_ray(verbose):
+            with console.status(f"deploying {names} (engines take ~30-90 s to start on CPU)"):
+                deploy(application, host, port)
+            console.print(f"[bold green]fleetserve ready[/] at http://{host}:{port}/v1  models: {names}")
+            console.print("Ctrl-C to stop.")
+            print(f"READY http://{host}:{port}/v1", flush=True)
+            while not stop.wait(0.5):
+                pass
+            console.print("stopping...")
     finally:
-        ray_serve.shutdown()
-        ray.shutdown()
         remove_orphaned_segments()
     console.print("[green]stopped cleanly[/]")
 

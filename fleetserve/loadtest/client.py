@@ -9,12 +9,14 @@ from typing import Any, Literal
 
 import httpx
 
-from fleetserve.deployments.ingress.protocol import ROUTING_HEADERS
 from fleetserve.loadtest.datasets import RequestSpec
 
 Api = Literal["chat", "completions"]
 # Statuses a server uses to turn work away: rate limited, overloaded.
 REFUSAL_STATUSES = (429, 503)
+# Response headers recorded per request (fleetserve names the model, replica, pool and routing reason it
+# chose); any other server simply sends none.
+ROUTING_HEADER_PREFIX = "x-fleetserve-"
 
 
 @dataclass
@@ -103,7 +105,8 @@ async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any
     try:
         async with http.stream("POST", url, json=payload) as response:
             record.status_code = response.status_code
-            record.routing = {name: response.headers[name] for name in ROUTING_HEADERS if name in response.headers}
+            record.routing = {name: value for name, value in response.headers.items()
+                                  if name.startswith(ROUTING_HEADER_PREFIX)}
             if response.status_code != 200:
                 body = (await response.aread()).decode(errors="replace")
                 record.error = f"HTTP {response.status_code}: {body[:500]}"

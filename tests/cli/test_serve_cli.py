@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from fleetserve.loadtest.baseline import free_port
+from fleetserve.loadtest.local_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 

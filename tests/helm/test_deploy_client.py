@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from typer.testing import CliRunner
 
 from fleetserve.cli.main import app
-from fleetserve.loadtest.baseline import free_port
+from fleetserve.loadtest.local_server import free_port
 
 pytest.importorskip("kubernetes")
 pytest.importorskip("helm_python")

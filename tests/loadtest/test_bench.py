@@ -15,7 +15,7 @@ import pytest
 
 from fleetserve.loadtest import datasets
 from fleetserve.loadtest.arrivals import inter_arrival_times
-from fleetserve.loadtest.baseline import free_port
+from fleetserve.loadtest.local_server import free_port
 from fleetserve.loadtest.client import RequestRecord
 from fleetserve.loadtest.metrics import compute_metrics, meets_slos, parse_goodput
 from fleetserve.loadtest.runner import BenchConfig, BenchError, run_benchmark
@@ -229,3 +229,13 @@ def test_ctrl_c_prints_and_saves_partial_results(tmp_path):
     run = json.loads((tmp_path / "partial.json").read_text())["runs"][0]
     # About 10 req/s for ~4 s, minus start-up: some, not all, of the 200 were sent and finished.
     assert run["interrupted"] is True and 5 <= run["metrics"]["completed"] < 200
+
+
+def test_routing_counts_tally_choices_and_leave_out_per_request_numbers():
+    from fleetserve.loadtest.client import RequestRecord
+    from fleetserve.loadtest.runner import routing_counts
+
+    records = [RequestRecord(routing={"x-fleetserve-replica": replica, "x-fleetserve-win-rate": rate})
+               for replica, rate in [("r0", "0.25"), ("r1", "0.5"), ("r0", "0.75")]]
+    # r0 answered twice, r1 once; the three win rates are one number per request, not a choice.
+    assert routing_counts(records) == {"x-fleetserve-replica": {"r0": 2, "r1": 1}}

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fleetserve.loadtest.baseline import free_port
+from fleetserve.loadtest.local_server import free_port
 
 pytestmark = pytest.mark.slow
 

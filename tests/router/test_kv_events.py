@@ -82,7 +82,7 @@ def test_block_hashes_chain_over_full_blocks_only():
 
 @pytest.fixture(scope="module")
 def engine_with_events():
-    from fleetserve.loadtest.baseline import free_port
+    from fleetserve.loadtest.local_server import free_port
     from fleetserve.platform.config import ModelConfig
     from fleetserve.platform.engine import Engine
     from fleetserve.platform.model_store import resolve_source

@@ -12,9 +12,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from ray.serve._private.request_router.common import PendingRequest
-from ray.serve._private.request_router.replica_wrapper import RunningReplica
-from ray.serve._private.request_router.request_router import FIFOMixin, RequestRouter
+from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from fleetserve.router.replica import decisions
 from fleetserve.router.replica.kv_events import KVEventIndex, KVEventSubscriber
