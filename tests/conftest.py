@@ -103,6 +103,7 @@ def served(ray_cluster, routing_checkpoint) -> Served:
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
+    from fleetserve.deployments.serve_options import deployment_name
 
     config = parse_config({"models": SERVED_MODELS, "model_routing": {
         "checkpoints": {"classifier": str(routing_checkpoint)}, "tiers": ["tiny", "smollm2"],
@@ -110,7 +111,7 @@ def served(ray_cluster, routing_checkpoint) -> Served:
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="fleetserve", route_prefix="/")
-    handles = {model.name: serve.get_deployment_handle(model.deployment_name, "fleetserve")
+    handles = {model.name: serve.get_deployment_handle(deployment_name(model), "fleetserve")
                for model in config.models}
     yield Served(base_url=f"http://127.0.0.1:{port}", config=config, handles=handles)
     serve.shutdown()
@@ -160,6 +161,7 @@ def two_replica_app(served) -> Served:
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
+    from fleetserve.deployments.serve_options import deployment_name
 
     two_replicas = {"replicas": 2, "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]},
                     "engine_args": {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * MiB,
@@ -171,7 +173,7 @@ def two_replica_app(served) -> Served:
         {"name": "tiny-default", "source": "tiny-random-llama", **two_replicas, "routing": {"policy": "power_of_two"}},
     ]})
     serve.run(build_app(config), name="routing", route_prefix="/routing")
-    handles = {model.name: serve.get_deployment_handle(model.deployment_name, "routing") for model in config.models}
+    handles = {model.name: serve.get_deployment_handle(deployment_name(model), "routing") for model in config.models}
     yield Served(base_url=f"{served.base_url}/routing", config=config, handles=handles)
     serve.delete("routing")
 

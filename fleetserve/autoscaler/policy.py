@@ -1,20 +1,23 @@
 """Autoscaling policies: a window of per-replica signals in, a desired replica count and its reason out.
 
-Pure Python (no Ray). ``KVCachePolicy`` is fleetserve's: it scales a pool on what fills it, KV-cache
-usage and queued work, with the knobs of Kubernetes HPA behaviour (stabilization windows, step limits,
-min/max). ``OngoingRequestsPolicy`` re-implements Ray Serve's default and ``QueueDepthPolicy`` a
-KEDA-style queue-length scaler, so the simulator can compare all three on the same trace.
+Pure Python (no Ray). Every policy takes the platform's own ``AutoscalingConfig`` (a model's
+``autoscaling:`` block), so what the simulator replays is what the platform serves. ``KVCachePolicy`` is
+fleetserve's: it scales a pool on what fills it, KV-cache usage and queued work, with the knobs of
+Kubernetes HPA behaviour (stabilization windows, step limits, min/max). ``OngoingRequestsPolicy``
+re-implements Ray Serve's default (``ray_default``) and ``QueueDepthPolicy`` a KEDA-style queue-length
+scaler (``queue_depth``), so the simulator can compare all three on the same trace.
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from statistics import fmean, linear_regression
 from typing import Literal, Protocol
 
-Pool = Literal["colocated", "prefill", "decode"]
+from fleetserve.platform.config import AutoscalingConfig
+
 # Why a decision came out as it did; every decision carries exactly one.
 Reason = Literal["hold", "kv_high", "prefill_high", "queue", "ttft", "kv_low", "prefill_low", "cooldown",
                  "idle_to_zero", "wake",
@@ -76,48 +79,29 @@ class Policy(Protocol):
     def decide(self, observation: PoolObservation) -> Decision: ...
 
 
-@dataclass(frozen=True)
-class Limits:
-    """Bounds every policy shares (Kubernetes HPA's behaviour knobs)."""
-
-    min_replicas: int = 1
-    max_replicas: int = 8
-    # Most replicas added (removed) by one decision.
-    max_step_up: int = 2
-    max_step_down: int = 1
-    # HPA stabilization: act on the lowest recommendation of the last upscale window (so a brief spike
-    # adds less), and the highest of the last downscale window (so a brief lull removes nothing).
-    upscale_stabilization_s: float = 0.0
-    downscale_stabilization_s: float = 60.0
-
-
 class _Stabilizer:
-    """Step limits, stabilization windows and min/max, applied to a raw recommendation."""
+    """Step limits, stabilization windows and min/max, applied to a raw recommendation.
 
-    def __init__(self, limits: Limits) -> None:
-        self.limits = limits
+    Args:
+        config: the pool's autoscaling config (min/max, steps, stabilization windows).
+        hpa_behaviour: apply the step limits and stabilization windows; False applies min/max alone (as
+            Ray Serve does for its own policy).
+    """
+
+    def __init__(self, config: AutoscalingConfig, hpa_behaviour: bool = True) -> None:
+        self.limits = config
+        self.hpa_behaviour = hpa_behaviour
         self.history: deque[tuple[float, int]] = deque()
 
     def apply(self, now: float, current: int, raw: Decision, record: bool = True) -> Decision:
         """Applies the limits to ``raw``; ``record=False`` keeps it out of the stabilization windows
         (a policy's own cooldown already delays it; counting it twice would block scale-down forever)."""
         limits = self.limits
-        if record:
-            self.history.append((now, raw.desired_replicas))
-        horizon = max(limits.upscale_stabilization_s, limits.downscale_stabilization_s)
-        while self.history and self.history[0][0] < now - horizon:
-            self.history.popleft()
         desired, reason = raw.desired_replicas, raw.reason
-        if desired > current and limits.upscale_stabilization_s > 0:
-            stable = min((d for t, d in self.history if t > now - limits.upscale_stabilization_s), default=desired)
-            if stable < desired:
-                desired, reason = max(stable, current), "stabilizing"
-        elif desired < current and limits.downscale_stabilization_s > 0:
-            stable = max((d for t, d in self.history if t > now - limits.downscale_stabilization_s), default=desired)
-            if stable > desired:
-                desired, reason = min(stable, current), "stabilizing"
-        desired = min(desired, current + limits.max_step_up) if desired > current else max(
-            desired, current - limits.max_step_down)
+        if self.hpa_behaviour:
+            desired, reason = self._stabilized(now, current, desired, reason, record)
+            desired = min(desired, current + limits.max_step_up) if desired > current else max(
+                desired, current - limits.max_step_down)
         if desired < limits.min_replicas:
             desired, reason = limits.min_replicas, "min_replicas"
         elif desired > limits.max_replicas:
@@ -128,37 +112,22 @@ class _Stabilizer:
             return Decision(desired, reason, f"{raw.detail}; capped at max_replicas {desired}")
         return Decision(desired, reason, raw.detail)
 
-
-@dataclass(frozen=True)
-class KVCacheConfig:
-    """fleetserve's KV-cache policy for one pool (see ``KVCachePolicy``)."""
-
-    pool: Pool = "colocated"
-    # Scale up when mean KV usage over the window exceeds this (to the count that brings it back to it).
-    target_high: float = 0.75
-    # Scale down once mean KV usage stays below this for the cooldown (to the count that keeps it there).
-    target_low: float = 0.35
-    # One replica's prefill throughput in prompt tokens/s (benchmarks/autoscaling.py calibrate measures
-    # it); None: the prefill-work rule cannot run and prefill load is seen only through queues and TTFT.
-    prefill_tokens_per_s: float | None = None
-    # Prefill and colocated pools: the share of the pool's prefill throughput that prompt-token demand
-    # may take before the pool grows (high), and below which it may shrink (low).
-    target_prefill_high: float = 0.6
-    target_prefill_low: float = 0.3
-    # Scale up when requests not yet running exceed this many per replica.
-    max_waiting_per_replica: float = 2.0
-    # Prefill and colocated pools: scale up when recent mean TTFT exceeds this.
-    ttft_target_s: float = 2.0
-    # Seconds of observations the KV mean and the prompt-token demand cover.
-    window_s: float = 30.0
-    # Scale-up sizes KV for this many seconds ahead along the window's trend (about a replica's start-up:
-    # running requests keep growing their KV while new replicas start); 0 sizes on the window mean.
-    kv_lookahead_s: float = 0.0
-    # Seconds the load must fit fewer replicas before they are removed; removals are this far apart.
-    scale_down_cooldown_s: float = 120.0
-    # With min_replicas 0: seconds with no work at all before scaling to zero.
-    idle_to_zero_s: float = 300.0
-    limits: Limits = field(default_factory=Limits)
+    def _stabilized(self, now: float, current: int, desired: int, reason: Reason, record: bool) -> tuple[int, Reason]:
+        limits = self.limits
+        if record:
+            self.history.append((now, desired))
+        horizon = max(limits.upscale_stabilization_s, limits.downscale_stabilization_s)
+        while self.history and self.history[0][0] < now - horizon:
+            self.history.popleft()
+        if desired > current and limits.upscale_stabilization_s > 0:
+            stable = min((d for t, d in self.history if t > now - limits.upscale_stabilization_s), default=desired)
+            if stable < desired:
+                return max(stable, current), "stabilizing"
+        elif desired < current and limits.downscale_stabilization_s > 0:
+            stable = max((d for t, d in self.history if t > now - limits.downscale_stabilization_s), default=desired)
+            if stable > desired:
+                return min(stable, current), "stabilizing"
+        return desired, reason
 
 
 @dataclass(frozen=True)
@@ -195,14 +164,14 @@ class KVCachePolicy:
       first queued request.
     """
 
-    def __init__(self, config: KVCacheConfig = KVCacheConfig()) -> None:
+    def __init__(self, config: AutoscalingConfig = AutoscalingConfig()) -> None:
         self.config = config
         self.window: deque[PoolObservation] = deque()
         self.low_since: float | None = None
         self.idle_since: float | None = None
         # (time, replicas the load fits at the low targets) since the load went low, for scale-down.
         self.low_counts: deque[tuple[float, int]] = deque()
-        self.stabilizer = _Stabilizer(config.limits)
+        self.stabilizer = _Stabilizer(config)
 
     def _load(self) -> PoolLoad:
         reporting = [obs for obs in self.window if obs.replicas]
@@ -275,11 +244,11 @@ class KVCachePolicy:
         config, current, now = self.config, obs.num_replicas, obs.time_s
         idle = obs.num_ongoing == 0
         self.idle_since = (self.idle_since if self.idle_since is not None else now) if idle else None
-        if config.limits.min_replicas == 0 and idle and now - self.idle_since >= config.idle_to_zero_s:
+        if config.min_replicas == 0 and idle and now - self.idle_since >= config.idle_to_zero_s:
             return Decision(0, "idle_to_zero", f"no work for {now - self.idle_since:.0f}s")
         fits, reason = max(self._sizes(load, high=False), key=lambda size: size[0])
         # Never so few that the requests waiting now would ask for a replica back.
-        fits = max(fits, math.ceil(obs.num_waiting / config.max_waiting_per_replica), config.limits.min_replicas, 1)
+        fits = max(fits, math.ceil(obs.num_waiting / config.max_waiting_per_replica), config.min_replicas, 1)
         if fits >= current or len(obs.replicas) < current:
             self.low_since = None
             self.low_counts.clear()
@@ -302,29 +271,18 @@ class KVCachePolicy:
             self.window.popleft()
         raw = self._raw(observation)
         if raw.reason == "wake":
-            return Decision(max(1, self.config.limits.min_replicas), "wake", raw.detail)
+            return Decision(max(1, self.config.min_replicas), "wake", raw.detail)
         return self.stabilizer.apply(observation.time_s, observation.num_replicas, raw, record=raw.reason != "cooldown")
-
-
-@dataclass(frozen=True)
-class OngoingRequestsConfig:
-    """Ray Serve's default policy: ongoing requests per replica, with up/down delays."""
-
-    target_ongoing_requests: float = 2.0
-    upscale_delay_s: float = 30.0
-    downscale_delay_s: float = 600.0
-    limits: Limits = field(default_factory=lambda: Limits(max_step_up=1000, max_step_down=1000,
-                                                           downscale_stabilization_s=0.0))
 
 
 class OngoingRequestsPolicy:
     """Ray Serve's default: ``ceil(ongoing / target_ongoing_requests)``, applied only after the same
     direction has been recommended for the upscale (downscale) delay."""
 
-    def __init__(self, config: OngoingRequestsConfig = OngoingRequestsConfig()) -> None:
+    def __init__(self, config: AutoscalingConfig = AutoscalingConfig(policy="ray_default")) -> None:
         self.config = config
         self.direction_since: tuple[int, float] | None = None
-        self.stabilizer = _Stabilizer(config.limits)
+        self.stabilizer = _Stabilizer(config, hpa_behaviour=False)
 
     def decide(self, observation: PoolObservation) -> Decision:
         config, current, now = self.config, observation.num_replicas, observation.time_s
@@ -343,22 +301,12 @@ class OngoingRequestsPolicy:
         return self.stabilizer.apply(now, current, Decision(wanted, "ongoing_requests", detail))
 
 
-@dataclass(frozen=True)
-class QueueDepthConfig:
-    """A KEDA-style scaler on queue length: replicas = ceil(queued / target), with HPA's windows."""
-
-    target_queue_per_replica: float = 4.0
-    # KEDA's cooldownPeriod before going to zero is covered by Limits' downscale window here.
-    limits: Limits = field(default_factory=lambda: Limits(max_step_up=4, max_step_down=1,
-                                                           downscale_stabilization_s=300.0))
-
-
 class QueueDepthPolicy:
     """Scales on requests not yet running (what an external queue-length metric would show KEDA)."""
 
-    def __init__(self, config: QueueDepthConfig = QueueDepthConfig()) -> None:
+    def __init__(self, config: AutoscalingConfig = AutoscalingConfig(policy="queue_depth")) -> None:
         self.config = config
-        self.stabilizer = _Stabilizer(config.limits)
+        self.stabilizer = _Stabilizer(config)
 
     def decide(self, observation: PoolObservation) -> Decision:
         ongoing = observation.num_ongoing
@@ -367,26 +315,10 @@ class QueueDepthPolicy:
                                      Decision(wanted, "queue_depth", f"{ongoing} ongoing"))
 
 
-def make_policy(spec: dict) -> Policy:
-    """A policy from a YAML-style mapping: ``{policy: kv_cache | ongoing_requests | queue_depth, ...}``.
+POLICIES: dict[str, type] = {"kv_cache": KVCachePolicy, "ray_default": OngoingRequestsPolicy,
+                             "queue_depth": QueueDepthPolicy}
 
-    Limits go under ``limits``; the rest are the policy's own knobs.
 
-    Raises:
-        ValueError: unknown policy or knob.
-    """
-    spec = dict(spec)
-    kind = spec.pop("policy", "kv_cache")
-    limits = spec.pop("limits", None)
-    classes = {"kv_cache": (KVCacheConfig, KVCachePolicy), "ongoing_requests": (OngoingRequestsConfig, OngoingRequestsPolicy),
-               "queue_depth": (QueueDepthConfig, QueueDepthPolicy)}
-    if kind not in classes:
-        raise ValueError(f"unknown policy {kind!r}; expected one of {sorted(classes)}")
-    config_cls, policy_cls = classes[kind]
-    try:
-        if limits is not None:
-            spec["limits"] = Limits(**{**config_cls().limits.__dict__, **limits})
-        return policy_cls(config_cls(**spec))
-    except TypeError as error:
-        raise ValueError(f"bad {kind} policy settings: {error}") from None
-
+def make_policy(config: AutoscalingConfig) -> Policy:
+    """The policy ``config.policy`` names, reading ``config``'s knobs."""
+    return POLICIES[config.policy](config)

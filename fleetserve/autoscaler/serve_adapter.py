@@ -1,6 +1,6 @@
-"""Ray Serve adapter: the KV-cache policy as a Serve custom autoscaling policy. The one Ray-aware file here.
+"""Ray Serve adapter: fleetserve's policies as a Serve custom autoscaling policy. The one Ray-aware file here.
 
-Serve instantiates ``KVCacheServePolicy`` once per deployment (with ``policy_kwargs``) in its
+Serve instantiates ``ServeAutoscalingPolicy`` once per deployment (with ``policy_kwargs``) in its
 controller and calls it every control loop with an ``AutoscalingContext``; replicas feed it through
 ``record_autoscaling_stats()`` (``EngineServer.autoscaling_signals``). The policy decides once per
 ``decision_period_s`` and repeats its last answer in between. Decisions are logged when they change,
@@ -17,7 +17,8 @@ from typing import Any
 
 import ray
 
-from fleetserve.autoscaler.policy import KVCacheConfig, KVCachePolicy, Limits, PoolObservation, ReplicaSignals
+from fleetserve.autoscaler.policy import PoolObservation, ReplicaSignals, make_policy
+from fleetserve.platform.config import AutoscalingConfig
 
 logger = logging.getLogger("ray.serve")
 METRICS_ACTOR = "fleetserve-autoscaler-metrics"
@@ -50,7 +51,7 @@ class AutoscalerMetrics:
 
 
 def autoscaler_exposition(timeout_s: float = 2.0) -> bytes:
-    """The autoscaler's metrics, or nothing when no KV-cache policy is running."""
+    """The autoscaler's metrics, or nothing when none of fleetserve's policies is running."""
     try:
         actor = ray.get_actor(METRICS_ACTOR, namespace=METRICS_NAMESPACE)
         return ray.get(actor.exposition.remote(), timeout=timeout_s)
@@ -75,21 +76,19 @@ def _signals(metrics: dict[str, dict[Any, float]], replica_ids: list[Any]) -> tu
     return tuple(signals)
 
 
-class KVCacheServePolicy:
-    """Serve's class-callable custom policy around ``KVCachePolicy``.
+class ServeAutoscalingPolicy:
+    """Serve's class-callable custom policy around a ``fleetserve.autoscaler.policy`` policy.
 
     Args:
         model: the model's name (metrics and logs).
-        decision_period_s: how often to decide; between decisions the last one is repeated.
-        limits: ``Limits`` fields; everything else is ``KVCacheConfig`` fields.
+        autoscaling: the pool's ``AutoscalingConfig`` as a dict (Serve's policy_kwargs must be JSON).
     """
 
-    def __init__(self, model: str = "", decision_period_s: float = 1.0, limits: dict[str, Any] | None = None,
-                 **knobs: Any) -> None:
+    def __init__(self, model: str = "", autoscaling: dict[str, Any] | None = None) -> None:
         self.model = model
-        self.decision_period_s = decision_period_s
-        self.config = KVCacheConfig(limits=Limits(**(limits or {})), **knobs)
-        self.policy = KVCachePolicy(self.config)
+        self.config = AutoscalingConfig.model_validate(autoscaling or {})
+        self.decision_period_s = self.config.decision_period_s
+        self.policy = make_policy(self.config)
         self.last: tuple[float, int, str] | None = None
         self._metrics: Any = None
 

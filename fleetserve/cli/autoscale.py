@@ -14,6 +14,7 @@ from rich.table import Table
 
 from fleetserve.cli.errors import console, fail
 from fleetserve.autoscaler.policy import make_policy
+from fleetserve.platform.config import AutoscalingConfig, ConfigError, parse_section
 from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, SimResult, simulate
 from fleetserve.autoscaler.traces import TraceRequest, from_bench, synthetic
 
@@ -27,6 +28,14 @@ def load_trace(spec: str, seed: int = 0) -> list[TraceRequest]:
     if path.exists():
         return from_bench(path)
     return synthetic(spec, seed)
+
+
+def _autoscaling(path: Path) -> AutoscalingConfig:
+    """An ``autoscaling:`` block from a file holding just the block, or the block under an ``autoscaling`` key."""
+    data = _yaml(path)
+    if set(data) == {"autoscaling"}:
+        data = data["autoscaling"]
+    return parse_section(AutoscalingConfig, data, str(path))
 
 
 def _yaml(path: Path) -> dict[str, Any]:
@@ -99,7 +108,8 @@ def plot_timeline(results: list[SimResult], trace: list[TraceRequest], path: Pat
 def simulate_command(
     trace: Annotated[str, typer.Option(help="A `fleetserve bench --save-detailed` result, or ramp:DURATION:START:END, "
                                             "bursts:DURATION:BASE:BURST[:BURSTINESS], day:DURATION:TROUGH:PEAK.")],
-    policy: Annotated[Path, typer.Option(help="Policy YAML, e.g. {policy: kv_cache, target_high: 0.75, limits: {max_replicas: 8}}.")],
+    policy: Annotated[Path, typer.Option(help="A model's autoscaling block as YAML, exactly as the platform config takes "
+                                              "it, e.g. {policy: kv_cache, target_high: 0.75, max_replicas: 8}.")],
     compare: Annotated[Optional[list[Path]], typer.Option(help="More policy YAMLs to run on the same trace.")] = None,
     profile: Annotated[Optional[Path], typer.Option(help="Replica profile YAML (ReplicaProfile fields); default: built-in.")] = None,
     slo_ttft: Annotated[float, typer.Option(help="TTFT target in seconds.")] = 2.0,
@@ -124,11 +134,11 @@ def simulate_command(
     results = []
     for path in [policy, *(compare or [])]:
         try:
-            policy_object = make_policy(_yaml(path))
+            policy_object = make_policy(_autoscaling(path))
             console.print(f"simulating {path.stem} on {len(requests)} requests ...")
             results.append(simulate(requests, policy_object, replica, slo, initial_replicas, name=path.stem))
-        except ValueError as error:
-            raise fail(f"{path}: {error}") from None
+        except ValueError as error:  # ConfigError names its file and keys itself
+            raise fail(str(error) if isinstance(error, ConfigError) else f"{path}: {error}") from None
     Console(width=140).print(results_table(results, slo))
     if plot is not None:
         plot_timeline(results, requests, plot, f"{trace} ({len(requests)} requests)")

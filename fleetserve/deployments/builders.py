@@ -12,6 +12,7 @@ from fleetserve.deployments.disaggregated.prefill_server import PrefillDeploymen
 from fleetserve.deployments.engine_server import EngineDeployment
 from fleetserve.deployments.ingress.server import IngressDeployment
 from fleetserve.deployments.metrics_hub import MetricsHubDeployment
+from fleetserve.deployments.serve_options import deployment_name, deployment_options
 from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, parse_config
 from fleetserve.platform.engine import Engine, plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source
@@ -31,11 +32,11 @@ def cpu_bindings_per_deployment(config: PlatformConfig, num_cores: int | None = 
     bindings: dict[str, list[str] | None] = {}
     for pool in pools:
         if pool.resources.num_gpus:
-            bindings[pool.deployment_name] = None
+            bindings[deployment_name(pool)] = None
         elif pool.resources.cpu_binding is not None:
-            bindings[pool.deployment_name] = pool.resources.cpu_binding
+            bindings[deployment_name(pool)] = pool.resources.cpu_binding
         else:
-            bindings[pool.deployment_name] = [next(plan) for _ in range(pool.replicas)]
+            bindings[deployment_name(pool)] = [next(plan) for _ in range(pool.replicas)]
     return bindings
 
 
@@ -43,19 +44,19 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
                        hub: Any, engine_cls: type[Engine]) -> Application:
     """The deployment the ingress calls for ``model``: its engine, or its decode pool behind a prefill pool."""
     if model.disaggregation is None:
-        options = model.deployment_options()
+        options = deployment_options(model)
         if model.routing.prefix_source == "kv_events":
             # The router tokenizes prompts as the engines do, to match the blocks their events describe.
             router_kwargs = options["request_router_config"]["request_router_kwargs"]
             router_kwargs["tokenizer_source"] = model_path or model.source
             router_kwargs["chat_template"] = chat_template_text(model)
         return EngineDeployment.options(**options).bind(
-            model.model_dump(), bindings[model.deployment_name], model_path, hub, engine_cls)
+            model, bindings[deployment_name(model)], model_path, hub, engine_cls)
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
-    prefill_app = PrefillDeployment.options(**prefill.deployment_options()).bind(
-        model.model_dump(), bindings[prefill.deployment_name], model_path, hub)
-    return DecodeDeployment.options(**decode.deployment_options()).bind(
-        model.model_dump(), bindings[decode.deployment_name], model_path, hub, prefill_app)
+    prefill_app = PrefillDeployment.options(**deployment_options(prefill)).bind(
+        model, bindings[deployment_name(prefill)], model_path, hub)
+    return DecodeDeployment.options(**deployment_options(decode)).bind(
+        model, bindings[deployment_name(decode)], model_path, hub, prefill_app)
 
 
 def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: type[Engine] = Engine) -> Application:
@@ -74,10 +75,9 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None
         engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls)
-    routing = config.model_routing.model_dump() if config.model_routing is not None else None
-    auth = config.auth.model_dump() if config.auth is not None else None
-    return IngressDeployment.bind(engines, hub, {model.name: model.model_dump() for model in config.models}, routing,
-                                  auth, config.limits.model_dump())
+    # Configs cross .bind() as the validated objects themselves (Ray pickles them), not re-validated dicts.
+    return IngressDeployment.bind(engines, hub, {model.name: model for model in config.models}, config.model_routing,
+                                  config.auth, config.limits)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -201,11 +201,10 @@ class ServeReplica:
 
 @serve.deployment
 class EngineDeployment(ServeReplica, EngineServer):
-    """Ray Serve replica of an engine server; options come from ``ModelConfig.deployment_options``."""
+    """Ray Serve replica of an engine server; its options come from ``serve_options.deployment_options``."""
 
-    def __init__(self, model: dict[str, Any], cpu_bindings: list[str] | None = None,
+    def __init__(self, config: ModelConfig, cpu_bindings: list[str] | None = None,
                  model_path: str | None = None, metrics_hub: Any = None, engine_cls: type[Engine] = Engine) -> None:
-        config = ModelConfig.model_validate(model)
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, engine_cls=engine_cls, replica_id=replica_id, cpu_binding=binding,
                          model_path=model_path, kv_events_port=self._kv_events_port(config))

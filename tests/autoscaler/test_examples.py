@@ -1,4 +1,5 @@
-"""The example policy files load and run in the simulator as docs/autoscaling.md shows them."""
+"""The example autoscaling blocks load with every knob they set, in the simulator and in the platform
+config alike, as docs/autoscaling.md shows them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetserve.autoscaler.policy import make_policy
+from fleetserve.autoscaler.policy import POLICIES, make_policy
+from fleetserve.platform.config import AutoscalingConfig, parse_config, parse_section
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "autoscaling").glob("*.yaml"))
 
@@ -15,7 +17,13 @@ EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "autoscaling").glob(
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.stem)
 def test_example_policy_loads_with_every_knob_it_sets(path):
     spec = yaml.safe_load(path.read_text())
-    config = make_policy(spec).config
-    knobs = {key: value for key, value in spec.items() if key not in ("policy", "limits")}
-    assert {key: getattr(config, key) for key in knobs} == knobs
-    assert {key: getattr(config.limits, key) for key in spec.get("limits", {})} == spec.get("limits", {})
+    policy = make_policy(parse_section(AutoscalingConfig, spec, str(path)))
+    assert type(policy) is POLICIES[spec["policy"]]
+    assert {key: getattr(policy.config, key) for key in spec} == spec
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.stem)
+def test_example_pastes_into_the_platform_config_unchanged(path):
+    spec = yaml.safe_load(path.read_text())
+    model = parse_config({"models": [{"name": "m", "source": "x", "autoscaling": spec}]}).models[0]
+    assert model.autoscaling == AutoscalingConfig.model_validate(spec)

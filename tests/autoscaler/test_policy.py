@@ -5,16 +5,14 @@ from __future__ import annotations
 import pytest
 
 from fleetserve.autoscaler.policy import (
-    KVCacheConfig,
     KVCachePolicy,
-    Limits,
-    OngoingRequestsConfig,
     OngoingRequestsPolicy,
     PoolObservation,
     QueueDepthPolicy,
     ReplicaSignals,
     make_policy,
 )
+from fleetserve.platform.config import AutoscalingConfig, ConfigError, parse_section
 
 
 def obs(time_s: float, *kv: float, waiting: int = 0, running: int = 1, queued: int = 0,
@@ -24,9 +22,14 @@ def obs(time_s: float, *kv: float, waiting: int = 0, running: int = 1, queued: i
     return PoolObservation(time_s, len(kv) if num_replicas is None else num_replicas, replicas, queued)
 
 
+def bounds(**knobs) -> dict:
+    """Replica bounds and HPA behaviour: min 1, max 8 unless given."""
+    return {"min_replicas": 1, "max_replicas": 8, **knobs}
+
+
 def kv_policy(**knobs) -> KVCachePolicy:
-    limits = knobs.pop("limits", Limits(min_replicas=1, max_replicas=8, downscale_stabilization_s=0))
-    return KVCachePolicy(KVCacheConfig(limits=limits, **knobs))
+    given = knobs.pop("limits", bounds(downscale_stabilization_s=0))
+    return KVCachePolicy(AutoscalingConfig(**given, **knobs))
 
 
 def test_high_kv_scales_up_in_proportion_capped_by_the_step():
@@ -75,7 +78,7 @@ def test_scale_down_waits_for_the_cooldown_and_hysteresis_holds():
 
 
 def test_downscale_stabilization_keeps_the_highest_recent_recommendation():
-    limits = Limits(min_replicas=1, max_replicas=8, downscale_stabilization_s=100)
+    limits = bounds(min_replicas=1, max_replicas=8, downscale_stabilization_s=100)
     policy = kv_policy(scale_down_cooldown_s=0, window_s=1, limits=limits)
     assert policy.decide(obs(0, 0.5, 0.5, 0.5)).desired_replicas == 3  # recommends 3 (hold)
     decision = policy.decide(obs(10, 0.0, 0.0, 0.0))  # recommends 2, but 3 was recommended 10 s ago
@@ -84,7 +87,7 @@ def test_downscale_stabilization_keeps_the_highest_recent_recommendation():
 
 
 def test_limits_clamp_and_say_so():
-    limits = Limits(min_replicas=2, max_replicas=3, downscale_stabilization_s=0)
+    limits = bounds(min_replicas=2, max_replicas=3, downscale_stabilization_s=0)
     assert kv_policy(limits=limits).decide(obs(0, 1.0, 1.0, 1.0)).reason == "max_replicas"
     # 2 of at most 3 replicas at 0.9 usage, target 0.5: ceil(2 * 0.9 / 0.5) = 4, trimmed to 3 -- still
     # reported as kv_high (what asked for it), with the cap in the detail.
@@ -102,7 +105,7 @@ def test_limits_clamp_and_say_so():
 
 
 def test_scale_to_zero_after_idle_and_wake_on_first_request():
-    limits = Limits(min_replicas=0, max_replicas=4, downscale_stabilization_s=0)
+    limits = bounds(min_replicas=0, max_replicas=4, downscale_stabilization_s=0)
     policy = kv_policy(limits=limits, idle_to_zero_s=300, scale_down_cooldown_s=10_000, window_s=1)
     assert policy.decide(obs(0, 0.0, running=0)).reason == "hold"  # one replica is the least the load needs
     decision = policy.decide(obs(300, 0.0, running=0))
@@ -113,7 +116,8 @@ def test_scale_to_zero_after_idle_and_wake_on_first_request():
 
 
 def test_ray_default_waits_its_upscale_delay():
-    policy = OngoingRequestsPolicy(OngoingRequestsConfig(target_ongoing_requests=2, upscale_delay_s=30))
+    policy = OngoingRequestsPolicy(AutoscalingConfig(policy="ray_default", target_ongoing_requests=2, upscale_delay_s=30,
+                                                      max_replicas=8))
     busy = dict(running=4)  # 2 replicas x 4 running = 8 ongoing -> ceil(8 / 2) = 4 wanted
     assert policy.decide(obs(0, 0.5, 0.5, **busy)).reason == "cooldown"
     assert policy.decide(obs(29, 0.5, 0.5, **busy)).desired_replicas == 2
@@ -123,18 +127,39 @@ def test_ray_default_waits_its_upscale_delay():
 
 def test_queue_depth_policy_divides_ongoing_by_its_target():
     # 2 replicas, 3 running each + 6 queued = 12 ongoing; / 4 per replica = 3.
-    decision = QueueDepthPolicy().decide(obs(0, 0.1, 0.1, running=3, queued=6))
+    decision = QueueDepthPolicy(AutoscalingConfig(policy="queue_depth", max_replicas=8)).decide(obs(0, 0.1, 0.1, running=3, queued=6))
     assert decision.desired_replicas == 3
 
 
-def test_make_policy_reads_yaml_style_specs_and_rejects_unknown_knobs():
-    policy = make_policy({"policy": "kv_cache", "target_high": 0.6, "limits": {"max_replicas": 3}})
-    assert policy.config.target_high == 0.6 and policy.config.limits.max_replicas == 3
-    assert policy.config.limits.max_step_up == 2  # untouched limits keep their defaults
-    with pytest.raises(ValueError, match="unknown policy 'hpa'"):
-        make_policy({"policy": "hpa"})
-    with pytest.raises(ValueError, match="bad kv_cache policy settings"):
-        make_policy({"policy": "kv_cache", "target_hgih": 0.6})
+def test_make_policy_runs_the_policy_the_block_names_with_its_knobs():
+    policy = make_policy(parse_section(AutoscalingConfig, {"policy": "kv_cache", "target_high": 0.6,
+                                                           "max_replicas": 3}, "test"))
+    assert isinstance(policy, KVCachePolicy)
+    assert policy.config.target_high == 0.6 and policy.config.max_replicas == 3
+    assert policy.config.max_step_up == 2  # untouched knobs keep the platform's defaults
+    assert isinstance(make_policy(AutoscalingConfig(policy="ray_default")), OngoingRequestsPolicy)
+    assert isinstance(make_policy(AutoscalingConfig(policy="queue_depth")), QueueDepthPolicy)
+
+
+@pytest.mark.parametrize(("block", "message"), [
+    ({"policy": "hpa"}, "policy: Input should be 'kv_cache', 'ray_default' or 'queue_depth' (got 'hpa')"),
+    ({"target_hgih": 0.6}, "target_hgih: unknown key"),
+    # Serve's own policy reads none of the KV rule's knobs, nor our step limits: they would do nothing.
+    ({"policy": "ray_default", "target_high": 0.6, "max_step_up": 4},
+     "policy ray_default does not read max_step_up (kv_cache/queue_depth only), target_high (kv_cache only)"),
+    ({"policy": "kv_cache", "target_ongoing_requests": 8}, "target_ongoing_requests (ray_default only)"),
+])
+def test_a_block_with_a_bad_or_foreign_knob_is_refused_naming_it(block, message):
+    with pytest.raises(ConfigError) as caught:
+        parse_section(AutoscalingConfig, block, "policy.yaml")
+    assert message in str(caught.value) and "policy.yaml" in str(caught.value)
+
+
+def test_ray_default_ignores_step_limits_as_serve_does():
+    policy = OngoingRequestsPolicy(AutoscalingConfig(policy="ray_default", target_ongoing_requests=1,
+                                                     upscale_delay_s=0, max_replicas=8))
+    # 1 replica with 6 running: ceil(6 / 1) = 6 at once; HPA's default step (2) would have allowed 3.
+    assert policy.decide(obs(0, 0.5, running=6)).desired_replicas == 6
 
 
 def prefill_obs(time_s: float, *rates: float, pending: tuple[int, ...] = (), num_replicas: int | None = None,
@@ -157,7 +182,7 @@ def test_prefill_work_scales_up_to_the_count_that_keeps_it_under_target():
 
 def test_prefill_backlog_growth_counts_as_demand():
     policy = kv_policy(prefill_tokens_per_s=1000, target_prefill_high=0.6, window_s=30,
-                       limits=Limits(max_replicas=8, max_step_up=8, downscale_stabilization_s=0))
+                       limits=bounds(max_replicas=8, max_step_up=8, downscale_stabilization_s=0))
     assert policy.decide(prefill_obs(0, 300, 300)).reason == "hold"  # 0.6 replicas' worth <= 2 * 0.6
     decision = policy.decide(prefill_obs(10, 300, 300, pending=(4000, 1000)))
     # Computed 600 tokens/s plus a backlog grown by 5000 tokens in 10 s: 1100 tokens/s = 1.1 replicas'
@@ -191,7 +216,7 @@ def test_ttft_rule_waits_for_a_starting_replica():
 
 
 def test_scale_down_goes_to_the_largest_count_the_cooldown_saw():
-    limits = Limits(min_replicas=1, max_replicas=8, max_step_down=4, downscale_stabilization_s=0)
+    limits = bounds(min_replicas=1, max_replicas=8, max_step_down=4, downscale_stabilization_s=0)
     policy = kv_policy(prefill_tokens_per_s=1000, target_prefill_low=0.3, scale_down_cooldown_s=20, window_s=1,
                        limits=limits)
     # 6 replicas computing 100 tokens/s each: 0.6 replicas' worth; ceil(0.6 / 0.3) = 2 fit at the low target.
@@ -206,7 +231,7 @@ def test_scale_down_goes_to_the_largest_count_the_cooldown_saw():
 
 def test_scale_down_keeps_room_for_waiting_requests_and_starting_replicas():
     policy = kv_policy(scale_down_cooldown_s=0, window_s=1, max_waiting_per_replica=2,
-                       limits=Limits(min_replicas=1, max_replicas=8, max_step_down=8, downscale_stabilization_s=0))
+                       limits=bounds(min_replicas=1, max_replicas=8, max_step_down=8, downscale_stabilization_s=0))
     # 4 idle replicas with 1 waiting each: KV fits 1, but 4 waiting / 2 per replica needs 2.
     decision = policy.decide(obs(0, 0.0, 0.0, 0.0, 0.0, waiting=1))
     assert (decision.desired_replicas, decision.reason) == (2, "kv_low")
@@ -216,7 +241,7 @@ def test_scale_down_keeps_room_for_waiting_requests_and_starting_replicas():
 
 def test_kv_lookahead_sizes_for_the_trend_a_start_up_ahead():
     policy = kv_policy(target_high=0.75, window_s=30, kv_lookahead_s=60,
-                       limits=Limits(max_replicas=8, max_step_up=8, downscale_stabilization_s=0))
+                       limits=bounds(max_replicas=8, max_step_up=8, downscale_stabilization_s=0))
     # One sample has no trend: KV 0.3 fits one replica.
     assert policy.decide(obs(0, 0.3, 0.3)).reason == "hold"
     decision = policy.decide(obs(10, 0.4, 0.4))

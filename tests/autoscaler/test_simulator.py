@@ -7,7 +7,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from fleetserve.autoscaler.policy import KVCacheConfig, KVCachePolicy, Limits, make_policy
+from fleetserve.autoscaler.policy import KVCachePolicy, QueueDepthPolicy
+from fleetserve.platform.config import AutoscalingConfig
 from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, simulate
 from fleetserve.autoscaler.traces import TraceRequest, bursts, synthetic
 from fleetserve.cli.main import app
@@ -17,7 +18,7 @@ PROFILE = ReplicaProfile(kv_capacity_tokens=1000, prefill_tokens_per_s=4000, dec
 
 
 def fixed(replicas: int):
-    return KVCachePolicy(KVCacheConfig(limits=Limits(min_replicas=replicas, max_replicas=replicas)))
+    return KVCachePolicy(AutoscalingConfig(min_replicas=replicas, max_replicas=replicas))
 
 
 def test_one_request_prefills_then_decodes_one_token_per_step():
@@ -58,9 +59,8 @@ def test_replica_seconds_count_every_replica_for_the_whole_run():
 def test_kv_policy_adds_replicas_for_a_burst_and_removes_them_after():
     trace = bursts(420, base_rate=0.5, burst_rate=20, burst_every_s=150, burst_length_s=30,
                    prompt_tokens=200, output_tokens=100, seed=1)
-    policy = KVCachePolicy(KVCacheConfig(window_s=5, scale_down_cooldown_s=20,
-                                         limits=Limits(min_replicas=1, max_replicas=6, max_step_up=3,
-                                                       downscale_stabilization_s=0)))
+    policy = KVCachePolicy(AutoscalingConfig(window_s=5, scale_down_cooldown_s=20, min_replicas=1, max_replicas=6,
+                                             max_step_up=3, downscale_stabilization_s=0))
     result = simulate(trace, policy, PROFILE, SLO(ttft_s=5.0))
     replicas = [point.num_replicas for point in result.timeline]
     # Bursts at 120-150 s and 270-300 s, then 120 s of base load to scale back down.
@@ -83,9 +83,9 @@ def test_synthetic_specs_and_errors():
 
 def test_simulate_command_compares_policies_and_writes_plot(tmp_path):
     kv = tmp_path / "kv.yaml"
-    kv.write_text("policy: kv_cache\nwindow_s: 5\nlimits: {max_replicas: 4}\n")
+    kv.write_text("policy: kv_cache\nwindow_s: 5\nmax_replicas: 4\n")
     ray_default = tmp_path / "ray.yaml"
-    ray_default.write_text("policy: ongoing_requests\ntarget_ongoing_requests: 4\n")
+    ray_default.write_text("policy: ray_default\ntarget_ongoing_requests: 4\n")
     result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", "bursts:120:1:8", "--policy", str(kv),
                                       "--compare", str(ray_default), "--plot", str(tmp_path / "t.png"),
                                       "--json", str(tmp_path / "r.json")])
@@ -96,5 +96,5 @@ def test_simulate_command_compares_policies_and_writes_plot(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policy: hpa\n")
     result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", "ramp:10:1:2", "--policy", str(bad)])
-    assert result.exit_code == 2 and "unknown policy 'hpa'" in result.output
-    assert make_policy({"policy": "queue_depth"}).config.target_queue_per_replica == 4.0
+    assert result.exit_code == 2 and "policy: Input should be 'kv_cache', 'ray_default' or 'queue_depth'" in result.output
+    assert QueueDepthPolicy().config.target_queue_per_replica == 4.0

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetserve.deployments.serve_options import deployment_options
 from fleetserve.platform.config import ConfigError, default_config, load_config, parse_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -33,7 +34,7 @@ def test_engine_args_pass_through_to_vllm_kwargs():
 def test_deployment_options_come_from_config():
     config = parse_config({"models": [{"name": "m", "source": "x", "replicas": 3,
                                        "resources": {"num_cpus": 2, "num_gpus": 1}}]})
-    options = config.models[0].deployment_options()
+    options = deployment_options(config.models[0])
     assert options["name"] == "engine-m" and options["num_replicas"] == 3
     assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
 
@@ -112,5 +113,5 @@ def test_kv_event_routing_config_errors(model, expected):
 def test_kv_event_routing_reaches_the_request_router():
     model = parse_config({"models": [{"name": "m", "source": "tiny-random-llama",
                                       "routing": {"prefix_source": "kv_events"}}]}).models[0]
-    kwargs = model.deployment_options()["request_router_config"]["request_router_kwargs"]
+    kwargs = deployment_options(model)["request_router_config"]["request_router_kwargs"]
     assert (kwargs["policy"], kwargs["prefix_source"]) == ("cache_aware", "kv_events")

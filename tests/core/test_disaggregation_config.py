@@ -2,6 +2,7 @@
 
 import pytest
 
+from fleetserve.deployments.serve_options import deployment_name, deployment_options
 from fleetserve.platform.config import ConfigError, parse_config
 
 
@@ -17,7 +18,7 @@ def test_pools_take_their_own_replicas_args_routing_and_autoscaling():
     model = config.models[0]
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
     assert model.pools() == ("prefill", "decode")
-    assert (prefill.deployment_name, decode.deployment_name) == ("prefill-m", "engine-m")
+    assert (deployment_name(prefill), deployment_name(decode)) == ("prefill-m", "engine-m")
     assert (prefill.replicas, decode.replicas) == (2, 3)
     # The prefill override is merged over the model's args; decode keeps the model's.
     assert prefill.engine_args.max_num_batched_tokens == 4096 and decode.engine_args.max_num_batched_tokens is None
@@ -25,8 +26,8 @@ def test_pools_take_their_own_replicas_args_routing_and_autoscaling():
     # Prefill follows the model's routing (cache-aware by default); decode is routed by load.
     assert (prefill.routing.policy, decode.routing.policy) == ("cache_aware", "least_loaded")
     assert prefill.autoscaling is None and decode.autoscaling.pool == "decode"
-    assert decode.deployment_options()["autoscaling_config"]["max_replicas"] == 6
-    assert prefill.deployment_options()["num_replicas"] == 2
+    assert deployment_options(decode)["autoscaling_config"]["max_replicas"] == 6
+    assert deployment_options(prefill)["num_replicas"] == 2
     assert model.disaggregation.min_prompt_tokens == 64
 
 

@@ -155,6 +155,7 @@ def test_autoscaler_settings_reach_the_ray_cluster():
 def test_serve_config_parses_as_a_serve_application_of_our_builder():
     from ray.serve.schema import ServeDeploySchema
 
+    from fleetserve.deployments.serve_options import deployment_options
     from fleetserve.platform.config import parse_config
 
     platform = {"models": [{"name": "llama", "source": "/models/llama", "replicas": 2,
@@ -166,8 +167,8 @@ def test_serve_config_parses_as_a_serve_application_of_our_builder():
     module, attribute = application.import_path.split(":")
     assert callable(getattr(importlib.import_module(module), attribute))
     config = parse_config(application.args["platform"])
-    assert config.models[0].deployment_options()["autoscaling_config"]["max_replicas"] == 4
-    assert config.models[0].deployment_options()["ray_actor_options"]["resources"] == {"mig-3g.40gb": 1}
+    assert deployment_options(config.models[0])["autoscaling_config"]["max_replicas"] == 4
+    assert deployment_options(config.models[0])["ray_actor_options"]["resources"] == {"mig-3g.40gb": 1}
 
 
 def test_optional_objects_appear_only_when_enabled():

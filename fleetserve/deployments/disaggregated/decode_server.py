@@ -194,9 +194,9 @@ class DecodeServer(EngineServer):
 class DecodeDeployment(KVTransferReplica, DecodeServer):
     """Ray Serve replica of a decode server; the ingress reaches it as the model's engine deployment."""
 
-    def __init__(self, model: dict[str, Any], cpu_bindings: list[str] | None = None,
+    def __init__(self, model: ModelConfig, cpu_bindings: list[str] | None = None,
                  model_path: str | None = None, metrics_hub: Any = None, prefill: Any = None) -> None:
-        config = ModelConfig.model_validate(model).pool_model("decode")
+        config = model.pool_model("decode")
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, prefill_client=HandlePrefillClient(prefill), kv_transfer=self._kv_transfer(config),
                          replica_id=replica_id, cpu_binding=binding, model_path=model_path)

@@ -118,11 +118,11 @@ class KVTransferReplica(ServeReplica):
 
 @serve.deployment
 class PrefillDeployment(KVTransferReplica, PrefillServer):
-    """Ray Serve replica of a prefill server; options from ``pool_model("prefill").deployment_options()``."""
+    """Ray Serve replica of a prefill server; options from ``serve_options.deployment_options`` of its pool."""
 
-    def __init__(self, model: dict[str, Any], cpu_bindings: list[str] | None = None,
+    def __init__(self, model: ModelConfig, cpu_bindings: list[str] | None = None,
                  model_path: str | None = None, metrics_hub: Any = None) -> None:
-        config = ModelConfig.model_validate(model).pool_model("prefill")
+        config = model.pool_model("prefill")
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, kv_transfer=self._kv_transfer(config), replica_id=replica_id,
                          cpu_binding=binding, model_path=model_path)

@@ -571,16 +571,13 @@ class IngressDeployment(OpenAIIngress):
     """Ray Serve replica of the ingress; each model is reached through its engine deployment's handle."""
 
     def __init__(self, engine_handles: dict[str, Any], metrics_hub: Any = None,
-                 models: dict[str, dict[str, Any]] | None = None, model_routing: dict[str, Any] | None = None,
-                 auth: dict[str, Any] | None = None, limits: dict[str, Any] | None = None) -> None:
+                 models: dict[str, ModelConfig] | None = None, model_routing: ModelRoutingConfig | None = None,
+                 auth: AuthConfig | None = None, limits: LimitsConfig | None = None) -> None:
         source = metrics_hub.collect.remote if metrics_hub is not None else None
         load_source = metrics_hub.loads.remote if metrics_hub is not None else None
-        configs = {name: ModelConfig.model_validate(model) for name, model in (models or {}).items()}
-        routes = RouteTable(ModelRoutingConfig.model_validate(model_routing)) if model_routing else None
-        front_door = FrontDoor(AuthConfig.model_validate(auth)) if auth else None
         super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
-                         metrics_source=source, models=configs, routes=routes, front_door=front_door,
-                         limits=LimitsConfig.model_validate(limits) if limits else None, load_source=load_source)
+                         metrics_source=source, models=models, routes=RouteTable(model_routing) if model_routing else None,
+                         front_door=FrontDoor(auth) if auth else None, limits=limits, load_source=load_source)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.build_app()

@@ -1,0 +1,79 @@
+"""Each engine deployment's Ray Serve options, emitted from the platform config.
+
+The core config says what to run (replicas, resources, the autoscaling and routing policies); this
+module says how Serve runs it, and names the adapters that put fleetserve's policies into Serve.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
+from fleetserve.platform.config import AutoscalingConfig, ModelConfig, RoutingConfig
+from fleetserve.router.replica.serve_adapter import FleetserveRequestRouter
+
+# Engines take tens of seconds to load; Serve's default health period is too eager.
+HEALTH_CHECK_PERIOD_S = 10
+HEALTH_CHECK_TIMEOUT_S = 60
+# Seconds a stopping replica gets to finish its requests.
+GRACEFUL_SHUTDOWN_TIMEOUT_S = 20
+
+
+def deployment_name(model: ModelConfig) -> str:
+    """The Serve deployment of a model's pool: ``engine-<name>`` answers the ingress (colocated or decode)."""
+    return f"prefill-{model.name}" if model.pool == "prefill" else f"engine-{model.name}"
+
+
+def autoscaling_config(autoscaling: AutoscalingConfig, initial_replicas: int, model_name: str) -> dict[str, Any]:
+    """Serve's autoscaling_config: Serve's own policy for ray_default, fleetserve's through its adapter."""
+    config: dict[str, Any] = {
+        "min_replicas": autoscaling.min_replicas, "max_replicas": autoscaling.max_replicas,
+        "initial_replicas": min(max(initial_replicas, autoscaling.min_replicas), autoscaling.max_replicas)}
+    if autoscaling.policy == "ray_default":
+        return {**config, "target_ongoing_requests": autoscaling.target_ongoing_requests,
+                "upscale_delay_s": autoscaling.upscale_delay_s, "downscale_delay_s": autoscaling.downscale_delay_s}
+    # The policy times its own decisions (window, cooldown, stabilization): no extra Serve delays.
+    return {**config, "metrics_interval_s": autoscaling.metrics_interval_s, "upscale_delay_s": 0.0,
+            "downscale_delay_s": 0.0,
+            "look_back_period_s": max(2 * autoscaling.metrics_interval_s, autoscaling.decision_period_s),
+            "policy": {"policy_function": ServeAutoscalingPolicy,
+                       "policy_kwargs": {"model": model_name, "autoscaling": autoscaling.model_dump()}}}
+
+
+def request_router_config(routing: RoutingConfig) -> dict[str, Any] | None:
+    """Serve's request_router_config; None keeps Serve's default router (power of two choices)."""
+    if routing.policy == "power_of_two":
+        return None
+    return {
+        "request_router_class": FleetserveRequestRouter,
+        "request_router_kwargs": {"policy": routing.policy, "balance_abs_threshold": routing.balance_abs_threshold,
+                                  "balance_rel_threshold": routing.balance_rel_threshold,
+                                  "cache_threshold": routing.cache_threshold, "prefix_source": routing.prefix_source},
+        "request_routing_stats_period_s": routing.stats_period_s,
+    }
+
+
+def deployment_options(model: ModelConfig) -> dict[str, Any]:
+    """Serve deployment options for one pool of a model (``model.pool_model(pool)``, or the model itself)."""
+    resources = model.resources
+    actor_options: dict[str, Any] = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
+    if resources.accelerator_type:
+        actor_options["accelerator_type"] = resources.accelerator_type
+    if resources.custom_resources:
+        actor_options["resources"] = dict(resources.custom_resources)
+    options: dict[str, Any] = {
+        "name": deployment_name(model),
+        "max_ongoing_requests": model.max_ongoing_requests,
+        "ray_actor_options": actor_options,
+        "health_check_period_s": HEALTH_CHECK_PERIOD_S,
+        "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
+        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
+    }
+    if model.autoscaling is not None:
+        options["autoscaling_config"] = autoscaling_config(model.autoscaling, model.replicas, model.name)
+    else:
+        options["num_replicas"] = model.replicas
+    router = request_router_config(model.routing)
+    if router is not None:
+        options["request_router_config"] = router
+    return options

@@ -1,0 +1,30 @@
+"""Platform config: one YAML file that lists the models to serve, split by concern.
+
+Validated with pydantic. Unknown keys are errors (a typo must not silently fall back to a default), and
+every error names the offending key path, e.g. ``models.0.engine_args.dtype``.
+
+* ``base``: strict sections and ``ConfigError``.
+* ``engine``: ``EngineArgs`` (vLLM's), ``ApiConfig`` (vLLM's OpenAI server flags), ``Resources``.
+* ``autoscaling``: ``AutoscalingConfig``, shared by the platform and the simulator.
+* ``routing``: ``RoutingConfig`` (replicas) and ``ModelRoutingConfig`` (routed model names).
+* ``disaggregation``: prefill and decode pools.
+* ``model``: ``ModelConfig``, one served model.
+* ``front_door``: listening address, limits, API keys and tenants.
+* ``platform``: ``PlatformConfig`` and ``parse_config`` / ``load_config`` / ``default_config``.
+
+How Serve runs a config (deployment options) is the serving layer's: ``fleetserve.deployments.serve_options``.
+"""
+
+from fleetserve.platform.config.autoscaling import AutoscalingConfig
+from fleetserve.platform.config.base import ConfigError, MiB, parse_section
+from fleetserve.platform.config.disaggregation import POOLS, DisaggregationConfig, PoolConfig
+from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, ApiConfig, EngineArgs, Resources
+from fleetserve.platform.config.front_door import APIKeyConfig, AuthConfig, LimitsConfig, ServerConfig, TenantConfig
+from fleetserve.platform.config.model import ModelConfig
+from fleetserve.platform.config.platform import PlatformConfig, default_config, load_config, parse_config
+from fleetserve.platform.config.routing import ModelRoute, ModelRoutingConfig, RoutingConfig
+
+__all__ = ["APIKeyConfig", "ApiConfig", "AuthConfig", "AutoscalingConfig", "ConfigError", "DisaggregationConfig",
+           "EngineArgs", "KV_LAYOUT_ARGS", "LimitsConfig", "MiB", "ModelConfig", "ModelRoute", "ModelRoutingConfig",
+           "POOLS", "PlatformConfig", "PoolConfig", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
+           "default_config", "load_config", "parse_config", "parse_section"]

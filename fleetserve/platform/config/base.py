@@ -1,0 +1,68 @@
+"""What every config section shares: strict keys, the error type, and the name pattern."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, ClassVar, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+
+# Model names become Serve deployment names and URL-visible ids.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
+MiB = 1024 * 1024
+
+
+class ConfigError(ValueError):
+    """A platform config that cannot be served; the message names each bad key."""
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class WithExtra(Strict):
+    """A section with typed keys plus ``extra`` for the rest; a key may not be given in both places."""
+
+    # The section's name in error messages.
+    _section: ClassVar[str] = ""
+
+    @field_validator("extra", check_fields=False)
+    @classmethod
+    def _extra_is_not_typed(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        overlap = sorted(set(extra) & (set(cls.model_fields) - {"extra"}))
+        if overlap:
+            raise ValueError(f"repeats typed keys {overlap}; set them directly under {cls._section}")
+        return extra
+
+
+def format_errors(error: ValidationError, what: str) -> str:
+    """One line per problem, each naming its key path (``models.0.engine_args.dtype: unknown key``)."""
+    lines = [f"invalid {what}:"]
+    for item in error.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "<root>"
+        if item["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key")
+        elif item["type"] == "missing":
+            lines.append(f"  {key}: required key is missing")
+        else:
+            got = item.get("input")
+            shown = "" if isinstance(got, (dict, list)) else f" (got {got!r})"
+            lines.append(f"  {key}: {item['msg']}{shown}")
+    return "\n".join(lines)
+
+
+SectionT = TypeVar("SectionT", bound=BaseModel)
+
+
+def parse_section(section: type[SectionT], data: Any, origin: str) -> SectionT:
+    """Validates one config section on its own (an ``autoscaling:`` block read by the simulator).
+
+    Raises:
+        ConfigError: naming every offending key.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid {section.__name__} ({origin}): expected a mapping")
+    try:
+        return section.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_errors(error, f"{section.__name__} ({origin})")) from None

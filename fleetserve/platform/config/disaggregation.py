@@ -1,0 +1,48 @@
+"""Disaggregated serving: a model's prefill and decode pools."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from fleetserve.platform.config.autoscaling import AutoscalingConfig
+from fleetserve.platform.config.base import Strict
+from fleetserve.platform.config.routing import RoutingConfig
+
+POOLS = ("colocated", "prefill", "decode")
+
+
+class PoolConfig(Strict):
+    """One phase's pool of a disaggregated model."""
+
+    # Replicas in the pool (the initial count when autoscaling is set).
+    replicas: int = Field(default=1, ge=1)
+    # Overrides of the model's engine_args for this pool (e.g. a larger max_num_batched_tokens for prefill).
+    engine_args: dict[str, Any] = Field(default_factory=dict)
+    # Cores per replica on CPU hosts, cycled over replicas; None spreads them with the other engines.
+    cpu_binding: list[str] | None = None
+    # Autoscaling for this pool; its ``pool`` is this pool's phase. None keeps ``replicas`` fixed.
+    autoscaling: AutoscalingConfig | None = None
+    # Replica routing inside the pool; None: the model's routing for prefill, least_loaded for decode.
+    routing: RoutingConfig | None = None
+
+
+class DisaggregationConfig(Strict):
+    """Separate prefill and decode pools for one model, with KV moved from prefill to decode engines."""
+
+    prefill: PoolConfig = Field(default_factory=PoolConfig)
+    decode: PoolConfig = Field(default_factory=PoolConfig)
+    # How KV moves between the pools: vLLM's NixlConnector (UCX; RDMA or NVLink on GPUs, TCP/shm on CPU).
+    connector: Literal["nixl"] = "nixl"
+    # Prompts shorter than this are prefilled by the decode replica itself; 0 sends every prompt to prefill.
+    min_prompt_tokens: int = Field(default=0, ge=0)
+    # Prefill calls tried (a failed replica is left out of the next try) before the request fails with 503.
+    max_prefill_attempts: int = Field(default=2, ge=1)
+    # Seconds one prefill call may take before it is abandoned and tried again.
+    prefill_timeout_s: float = Field(default=60.0, gt=0)
+    # Seconds a prefill engine keeps KV that no decode engine reads (its decode side died or gave up).
+    kv_lease_s: int = Field(default=30, ge=1)
+    # Microseconds NIXL's progress thread sleeps between polls. NIXL's default, 0, busy-polls a core per
+    # engine: set 0 on GPU hosts with cores to spare for the lowest transfer latency.
+    nixl_progress_delay_us: int = Field(default=500, ge=0)

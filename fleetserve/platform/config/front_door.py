@@ -1,0 +1,85 @@
+"""The front door: where the endpoint listens, request limits, API keys and tenants."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from fleetserve.platform.config.base import MiB, Strict
+
+
+_SHA256_HEX = r"^[0-9a-f]{64}$"
+
+
+class ServerConfig(Strict):
+    """Where the OpenAI-compatible endpoint listens."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(default=8000, gt=0, lt=65536)
+
+
+class LimitsConfig(Strict):
+    """Request limits and overload protection, enforced by the ingress before any engine work."""
+
+    # Largest request body in bytes (by Content-Length); larger requests get a 400.
+    max_body_bytes: int = Field(default=4 * MiB, gt=0)
+    # Most messages in one chat request.
+    max_messages: int = Field(default=512, gt=0)
+    # Largest max_tokens a request may ask for; None leaves it to each model's context length.
+    max_tokens: int | None = Field(default=None, gt=0)
+    # Longest prompt in characters (a chat's message contents together), checked before tokenizing.
+    max_prompt_chars: int = Field(default=1_000_000, gt=0)
+    # Requests admitted per replica of a model (running, queued in the engine or in front of it); beyond
+    # it, new requests get 503 with Retry-After at once instead of queueing without bound. None: unbounded.
+    max_in_flight_per_replica: int | None = Field(default=1024, gt=0)
+    # Queue bound: admit a request only while the model's queued requests (waiting in engines or on their
+    # way) would drain within this many seconds at the rate its engines finish requests; beyond it, 503
+    # with a Retry-After. None: only max_in_flight_per_replica bounds admission.
+    max_queue_wait_s: float | None = Field(default=60.0, gt=0)
+    # Queue allowed per serving replica however slowly the engines finish (and before they have finished any).
+    min_queued_per_replica: int = Field(default=128, gt=0)
+    # Times a request is sent again when its replica fails (dies, restarts) before streaming anything;
+    # a request that has streamed output ends with an error event instead, since output cannot be unsent.
+    max_unstarted_retries: int = Field(default=2, ge=0)
+    # Seconds a request may go without a new token (the first included) before it is aborted in the engine
+    # and reported to the client; None: no limit.
+    progress_timeout_s: float | None = Field(default=300.0, gt=0)
+
+
+class TenantConfig(Strict):
+    """One team or application sharing the platform."""
+
+    # Served model names and routed names this tenant may call; ["*"] allows all of them.
+    models: list[str] = Field(default_factory=lambda: ["*"])
+    # Requests per minute (token bucket, bursts up to a minute's worth); None: unlimited.
+    requests_per_minute: float | None = Field(default=None, gt=0)
+    # Tokens per minute, charged at admission as the prompt's estimated tokens plus max_tokens; None: unlimited.
+    tokens_per_minute: float | None = Field(default=None, gt=0)
+
+
+class APIKeyConfig(Strict):
+    """One API key, stored only as its hash."""
+
+    # sha256 of the key, hex (``fleetserve auth hash-key`` prints it); the key itself is never stored.
+    sha256: str = Field(pattern=_SHA256_HEX)
+    # The tenant this key belongs to (a key of auth.tenants).
+    tenant: str
+    # Admin keys may also read platform state beyond health (/metrics).
+    admin: bool = False
+
+
+class AuthConfig(Strict):
+    """API keys and tenants for the OpenAI endpoint (``Authorization: Bearer <key>``)."""
+
+    tenants: dict[str, TenantConfig] = Field(default_factory=dict)
+    api_keys: list[APIKeyConfig] = Field(default_factory=list)
+    # A mounted secret file with more keys: a YAML list of {sha256, tenant, admin}, read at start.
+    api_keys_file: str | None = None
+
+    @model_validator(mode="after")
+    def _keys_name_tenants(self) -> AuthConfig:
+        if not self.api_keys and self.api_keys_file is None:
+            raise ValueError("auth needs api_keys or api_keys_file; to serve without keys, leave auth out")
+        unknown = sorted({key.tenant for key in self.api_keys} - set(self.tenants))
+        if unknown:
+            raise ValueError(f"api_keys name tenants {unknown} that auth.tenants does not define")
+        return self

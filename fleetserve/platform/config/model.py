@@ -1,0 +1,133 @@
+"""One served model: its source, engine, replicas, autoscaling, routing, prices and pools."""
+
+from __future__ import annotations
+
+from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+
+from fleetserve.platform.config.autoscaling import AutoscalingConfig
+from fleetserve.platform.config.base import NAME_PATTERN, Strict
+from fleetserve.platform.config.disaggregation import DisaggregationConfig, PoolConfig
+from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, ApiConfig, EngineArgs, Resources
+from fleetserve.platform.config.routing import RoutingConfig
+
+
+class ModelConfig(Strict):
+    """One served model."""
+
+    # The name clients send as ``model``.
+    name: str
+    # A local HF folder, a .gguf file, or a packaged model id (see ``fleetserve.platform.model_store``).
+    source: str
+    # Replicas to run (the initial count when autoscaling is set).
+    replicas: int = Field(default=1, ge=1)
+    # Replica autoscaling; None keeps ``replicas`` fixed.
+    autoscaling: AutoscalingConfig | None = None
+    engine_args: EngineArgs = Field(default_factory=EngineArgs)
+    # vLLM's OpenAI server options (tool calling, chat template, reasoning parser) in every replica.
+    api: ApiConfig = Field(default_factory=ApiConfig)
+    resources: Resources = Field(default_factory=Resources)
+    # Requests one replica holds at once before Serve queues them in front of it.
+    max_ongoing_requests: int = Field(default=256, gt=0)
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
+    # Prices for cost estimates (fleetserve_estimated_cost_dollars), in dollars per 1M tokens.
+    cost_per_million_input_tokens: float = Field(default=0.0, ge=0)
+    cost_per_million_output_tokens: float = Field(default=0.0, ge=0)
+    # Separate prefill and decode pools; None serves both phases on the same replicas (colocated).
+    disaggregation: DisaggregationConfig | None = None
+    # Which pool this config describes; set by pool_model() for a disaggregated model's pools.
+    _pool: str = PrivateAttr(default="colocated")
+
+    @model_validator(mode="after")
+    def _check_kv_events(self) -> ModelConfig:
+        if self.routing.prefix_source != "kv_events":
+            return self
+        if self.disaggregation is not None:
+            raise ValueError("routing.prefix_source kv_events is not supported for disaggregated models yet; "
+                             "use routed")
+        if self.engine_args.enable_prefix_caching is False:
+            raise ValueError("routing.prefix_source kv_events needs engine_args.enable_prefix_caching")
+        if "kv_events_config" in self.engine_args.extra:
+            raise ValueError("engine_args.extra.kv_events_config: the platform sets it for "
+                             "routing.prefix_source kv_events; remove it")
+        return self
+
+    @model_validator(mode="after")
+    def _check_disaggregation(self) -> ModelConfig:
+        pd = self.disaggregation
+        if pd is None:
+            return self
+        # A pool's own copy (pool_model) carries its replicas and autoscaling; it is never re-validated.
+        if self.replicas != 1 or self.autoscaling is not None:
+            raise ValueError("with disaggregation, set replicas and autoscaling per pool "
+                             "(disaggregation.prefill / disaggregation.decode), not on the model")
+        if "kv_transfer_config" in self.engine_args.extra:
+            raise ValueError("engine_args.extra.kv_transfer_config: the platform sets the KV connector "
+                             "for disaggregated models; remove it")
+        layouts = {}
+        for phase in ("prefill", "decode"):
+            pool: PoolConfig = getattr(pd, phase)
+            where = f"disaggregation.{phase}"
+            try:
+                args = EngineArgs.model_validate({**self.engine_args.model_dump(), **pool.engine_args})
+            except ValidationError as error:
+                problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in error.errors())
+                raise ValueError(f"{where}.engine_args: {problems}") from None
+            if "kv_transfer_config" in args.extra:
+                raise ValueError(f"{where}.engine_args: kv_transfer_config is set by the platform; remove it")
+            layouts[phase] = {key: getattr(args, key) for key in KV_LAYOUT_ARGS}
+            if pool.autoscaling is not None and pool.autoscaling.pool not in ("colocated", phase):
+                raise ValueError(f"{where}.autoscaling.pool is {pool.autoscaling.pool!r}; this pool is {phase!r}")
+        differ = {key: (layouts["prefill"][key], layouts["decode"][key]) for key in KV_LAYOUT_ARGS
+                  if layouts["prefill"][key] != layouts["decode"][key]}
+        if differ:
+            raise ValueError(f"disaggregation: prefill and decode engine_args must agree on the KV layout; "
+                             f"they differ in {differ} (prefill, decode)")
+        return self
+
+    @property
+    def max_serving_replicas(self) -> int:
+        """Most replicas that answer the ingress (colocated, or the decode pool): the autoscaling maximum."""
+        serving = self.pool_model("decode") if self.disaggregation is not None else self
+        return serving.autoscaling.max_replicas if serving.autoscaling is not None else serving.replicas
+
+    @property
+    def pool(self) -> str:
+        """colocated, or the phase (prefill, decode) of a pool config from ``pool_model``."""
+        return self._pool
+
+    def pools(self) -> tuple[str, ...]:
+        """The pools this model runs: colocated, or prefill and decode."""
+        return ("colocated",) if self.disaggregation is None else ("prefill", "decode")
+
+    def pool_model(self, pool: str) -> ModelConfig:
+        """This model's config for one pool: that pool's replicas, engine args, autoscaling and routing.
+
+        Raises:
+            ValueError: ``pool`` is not one of ``pools()``.
+        """
+        if pool not in self.pools():
+            raise ValueError(f"model {self.name} runs pools {self.pools()}, not {pool!r}")
+        if pool == "colocated":
+            return self
+        spec: PoolConfig = getattr(self.disaggregation, pool)
+        routing = spec.routing or (self.routing if pool == "prefill" else RoutingConfig(policy="least_loaded"))
+        autoscaling = (spec.autoscaling.model_copy(update={"pool": pool}) if spec.autoscaling is not None else None)
+        resources = (self.resources.model_copy(update={"cpu_binding": spec.cpu_binding})
+                     if spec.cpu_binding is not None else self.resources)
+        engine_args = EngineArgs.model_validate({**self.engine_args.model_dump(), **spec.engine_args})
+        copy = self.model_copy(update={"replicas": spec.replicas, "autoscaling": autoscaling, "routing": routing,
+                                       "resources": resources, "engine_args": engine_args})
+        copy._pool = pool
+        return copy
+
+    def request_cost(self, num_input_tokens: int, num_output_tokens: int) -> float:
+        """Estimated dollars for one request at this model's prices."""
+        return (num_input_tokens * self.cost_per_million_input_tokens
+                + num_output_tokens * self.cost_per_million_output_tokens) / 1e6
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not NAME_PATTERN.match(name):
+            raise ValueError("expected 1-64 characters of letters, digits, '.', '_' or '-', starting alphanumeric")
+        return name

