@@ -17,6 +17,7 @@ from statistics import fmean, linear_regression
 from typing import Literal, Protocol
 
 from fleetserve.platform.config import AutoscalingConfig
+from fleetserve.platform.replica_report import ReplicaReport
 
 # Why a decision came out as it did; every decision carries exactly one.
 Reason = Literal["hold", "kv_high", "prefill_high", "queue", "ttft", "kv_low", "prefill_low", "cooldown",
@@ -25,33 +26,14 @@ Reason = Literal["hold", "kv_high", "prefill_high", "queue", "ttft", "kv_low", "
 
 
 @dataclass(frozen=True)
-class ReplicaSignals:
-    """One replica's engine, as last reported."""
-
-    # Fraction of KV-cache blocks in use, 0-1.
-    kv_cache_usage: float = 0.0
-    # Requests queued inside the engine, waiting for their first schedule.
-    num_waiting: int = 0
-    # Requests the engine is running.
-    num_running: int = 0
-    # Prompt plus generated tokens per second, recently.
-    tokens_per_s: float = 0.0
-    # Prompt tokens the engine computed per second, recently (prefix-cache hits excluded: no work).
-    prompt_tokens_per_s: float = 0.0
-    # Prompt tokens of the requests on this replica that have no first token yet (its prefill backlog).
-    num_pending_prompt_tokens: int = 0
-    # Mean time to first token of requests that started recently; None when none did.
-    ttft_s: float | None = None
-
-
-@dataclass(frozen=True)
 class PoolObservation:
-    """A pool at one moment: its replicas' signals and the work queued in front of it."""
+    """A pool at one moment: its replicas' reports and the work queued in front of it."""
 
     time_s: float
     # Replicas running (those in ``replicas``) plus any still starting.
     num_replicas: int
-    replicas: tuple[ReplicaSignals, ...] = ()
+    # The reports of the replicas that are running; starting ones have none yet.
+    replicas: tuple[ReplicaReport, ...] = ()
     # Requests waiting in front of the pool (router or handle queues), on no replica yet.
     num_queued: int = 0
 

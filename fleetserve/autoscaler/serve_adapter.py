@@ -2,7 +2,8 @@
 
 Serve instantiates ``ServeAutoscalingPolicy`` once per deployment (with ``policy_kwargs``) in its
 controller and calls it every control loop with an ``AutoscalingContext``; replicas feed it through
-``record_autoscaling_stats()`` (``EngineServer.autoscaling_signals``). The policy decides once per
+``record_autoscaling_stats()``, each a ``ReplicaReport`` as Serve's named float metrics (``autoscaling_metrics``),
+which Serve aggregates per replica and this adapter reads back as reports. The policy decides once per
 ``decision_period_s`` and repeats its last answer in between. Decisions are logged when they change,
 and exported as ``fleetserve_autoscaler_desired_replicas`` and ``fleetserve_autoscaler_decisions_total``
 through a small named actor that the metrics hub reads.
@@ -17,14 +18,17 @@ from typing import Any
 
 import ray
 
-from fleetserve.autoscaler.policy import PoolObservation, ReplicaSignals, make_policy
+from fleetserve.autoscaler.policy import PoolObservation, make_policy
 from fleetserve.platform.config import AutoscalingConfig
+from fleetserve.platform.replica_report import ReplicaReport
 
 logger = logging.getLogger("ray.serve")
 METRICS_ACTOR = "fleetserve-autoscaler-metrics"
 METRICS_NAMESPACE = "fleetserve"
-SIGNALS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "prompt_tokens_per_s",
-           "num_pending_prompt_tokens", "ttft_s")
+# The report's fields that travel as Serve's custom autoscaling metrics (floats by name), and those that are counts.
+METRIC_FIELDS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "prompt_tokens_per_s",
+                 "num_pending_prompt_tokens", "ttft_s")
+COUNT_FIELDS = frozenset({"num_waiting", "num_running", "num_pending_prompt_tokens"})
 
 
 @ray.remote(num_cpus=0)
@@ -59,21 +63,24 @@ def autoscaler_exposition(timeout_s: float = 2.0) -> bytes:
         return b""
 
 
-def _signals(metrics: dict[str, dict[Any, float]], replica_ids: list[Any]) -> tuple[ReplicaSignals, ...]:
-    signals = []
+def autoscaling_metrics(report: ReplicaReport) -> dict[str, float]:
+    """A replica's report as Serve's custom autoscaling metrics (``record_autoscaling_stats``); no TTFT
+    when no request got a first token since the previous report."""
+    return {name: float(getattr(report, name)) for name in METRIC_FIELDS if getattr(report, name) is not None}
+
+
+def _reports(metrics: dict[str, dict[Any, float]], replica_ids: list[Any], pool: str) -> tuple[ReplicaReport, ...]:
+    """The running replicas' reports from Serve's per-replica aggregates; replicas without any yet are starting."""
+    reports = []
     for replica_id in replica_ids:
-        values = {name: metrics.get(name, {}).get(replica_id) for name in SIGNALS}
+        values = {name: metrics.get(name, {}).get(replica_id) for name in METRIC_FIELDS}
         if values["kv_cache_usage"] is None:
-            continue  # not reported yet (starting)
-        ttft = values["ttft_s"]
-        signals.append(ReplicaSignals(kv_cache_usage=float(values["kv_cache_usage"]),
-                                      num_waiting=int(round(values["num_waiting"] or 0)),
-                                      num_running=int(round(values["num_running"] or 0)),
-                                      tokens_per_s=float(values["tokens_per_s"] or 0.0),
-                                      prompt_tokens_per_s=float(values["prompt_tokens_per_s"] or 0.0),
-                                      num_pending_prompt_tokens=int(round(values["num_pending_prompt_tokens"] or 0)),
-                                      ttft_s=None if ttft is None or math.isnan(ttft) else float(ttft)))
-    return tuple(signals)
+            continue
+        fields = {name: (int(round(value)) if name in COUNT_FIELDS else float(value))
+                  for name, value in values.items() if value is not None and not math.isnan(value)}
+        reports.append(ReplicaReport(replica_id=getattr(replica_id, "unique_id", str(replica_id)), pool=pool,
+                                     **fields))
+    return tuple(reports)
 
 
 class ServeAutoscalingPolicy:
@@ -102,9 +109,9 @@ class ServeAutoscalingPolicy:
         now = ctx.current_time or time.time()
         if self.last is not None and now - self.last[0] < self.decision_period_s:
             return self.last[1], ctx.policy_state
-        signals = _signals(ctx.aggregated_metrics or {}, list(ctx.running_replicas))
+        reports = _reports(ctx.aggregated_metrics or {}, list(ctx.running_replicas), self.config.pool)
         queued = ctx.total_queued_requests or 0.0
-        observation = PoolObservation(now, ctx.target_num_replicas, signals, int(round(queued)))
+        observation = PoolObservation(now, ctx.target_num_replicas, reports, int(round(queued)))
         decision = self.policy.decide(observation)
         if self.last is None or (decision.desired_replicas, decision.reason) != self.last[1:]:
             logger.info("autoscaler %s/%s: %d -> %d replicas (%s: %s)", self.model, self.config.pool,

@@ -19,7 +19,8 @@ from statistics import fmean
 
 import numpy as np
 
-from fleetserve.autoscaler.policy import Decision, Policy, PoolObservation, ReplicaSignals
+from fleetserve.autoscaler.policy import Decision, Policy, PoolObservation
+from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.autoscaler.traces import TraceRequest
 
 
@@ -309,7 +310,7 @@ def _decide(policy: Policy, replicas: list[_Replica], queue: deque, now: float,
         # As vLLM reports them: the KV allocated to running requests, and requests not scheduled yet.
         usage = replica.used_tokens / profile.kv_capacity_tokens
         pending = sum(r.spec.prompt_tokens for r in [*replica.running, *replica.waiting] if r.first_token_s is None)
-        signals.append(ReplicaSignals(kv_cache_usage=usage, num_waiting=len(replica.waiting),
+        signals.append(ReplicaReport(kv_cache_usage=usage, num_waiting=len(replica.waiting),
                                       num_running=len(replica.running),
                                       prompt_tokens_per_s=replica.recent_prompt_tokens / interval_s,
                                       num_pending_prompt_tokens=pending,

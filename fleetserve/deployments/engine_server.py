@@ -18,6 +18,7 @@ from typing import Any
 
 from ray import serve
 
+from fleetserve.autoscaler.serve_adapter import autoscaling_metrics
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead
 from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
@@ -26,7 +27,9 @@ from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics
 from fleetserve.platform.model_store import resolve_source
 from fleetserve.platform.relay import relay, request_headers
+from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
 from fleetserve.platform.stats import EngineStats
+from fleetserve.router.replica.serve_adapter import KVEventSource, routing_stats
 
 logger = logging.getLogger(__name__)
 # How often a replica publishes its metrics to the hub.
@@ -54,8 +57,10 @@ class EngineServer:
         self.replica_id = replica_id
         self.pool = model.pool
         self.metrics = EngineMetrics(model.name, replica_id, self.pool)
-        # (monotonic time, stats) at the previous autoscaling_signals() call, for per-interval rates.
-        self._last_signals: tuple[float, EngineStats] | None = None
+        # One reporter per reader of this replica's reports: each reads at its own period.
+        self._autoscaling_reporter = ReplicaReporter(replica_id, self.pool)
+        self._routing_reporter = ReplicaReporter(replica_id, self.pool)
+        self._hub_reporter = ReplicaReporter(replica_id, self.pool)
         path = Path(model_path) if model_path is not None else resolve_source(model.source)
         extra = {"kv_transfer": kv_transfer} if kv_transfer is not None else {}
         if kv_events_port is not None:
@@ -94,26 +99,14 @@ class EngineServer:
     async def check_health(self) -> None:
         await self.engine.check_health()
 
-    def autoscaling_signals(self) -> dict[str, float]:
+    def report(self, reporter: ReplicaReporter) -> ReplicaReport:
+        """This replica's report to one reader, its rates over the interval since that reader's previous one."""
+        return reporter.report(self.engine.stats(), self.engine.num_pending_prompt_tokens)
+
+    def autoscaling_report(self) -> ReplicaReport:
         """What the autoscaling policy reads: KV usage, queues and the prefill backlog now; TTFT and
-        tokens/s since the previous call (TTFT only when a request got its first token meanwhile)."""
-        stats = self.engine.stats()
-        now = time.monotonic()
-        previous, self._last_signals = self._last_signals, (now, stats)
-        signals = {"kv_cache_usage": stats.kv_cache_usage, "num_waiting": float(stats.num_waiting),
-                   "num_running": float(stats.num_running),
-                   "num_pending_prompt_tokens": float(self.engine.num_pending_prompt_tokens)}
-        if previous is not None and now > previous[0]:
-            before = previous[1]
-            tokens = (stats.num_prompt_tokens + stats.num_generation_tokens
-                      - before.num_prompt_tokens - before.num_generation_tokens)
-            signals["tokens_per_s"] = tokens / (now - previous[0])
-            computed = stats.num_computed_prompt_tokens - before.num_computed_prompt_tokens
-            signals["prompt_tokens_per_s"] = computed / (now - previous[0])
-            firsts = stats.num_first_tokens - before.num_first_tokens
-            if firsts > 0:
-                signals["ttft_s"] = (stats.ttft_sum_s - before.ttft_sum_s) / firsts
-        return signals
+        tokens/s since the previous call."""
+        return self.report(self._autoscaling_reporter)
 
     async def metrics_exposition(self) -> bytes:
         """This replica's vLLM-named metrics in Prometheus text format."""
@@ -148,27 +141,22 @@ class ServeReplica:
         while self.engine is not None:
             try:
                 await self._hub.push.remote(self.replica_id, self.model.name, self.pool, self.metrics.exposition(),
-                                            self.engine.stats())
+                                            self.report(self._hub_reporter))
             except Exception:  # noqa: BLE001 - the hub restarting must not take the engine down
                 logger.warning("metrics push failed; retrying", exc_info=True)
             await asyncio.sleep(PUBLISH_PERIOD_S)
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the request router reads about this replica, every routing.stats_period_s."""
-        stats = self.engine.stats() if self.engine is not None else None
-        if stats is None:
+        if self.engine is None:
             return {}
-        routing = {"kv_cache_usage": stats.kv_cache_usage, "num_running": stats.num_running,
-                   "num_waiting": stats.num_waiting}
         endpoint = getattr(self, "_kv_events_endpoint", None)
-        if endpoint is not None:
-            # Where the router subscribes to this engine's KV cache events, and the blocks they describe.
-            routing.update(kv_events_endpoint=endpoint, kv_block_size=self.engine.block_size)
-        return routing
+        events = KVEventSource(endpoint, self.engine.block_size) if endpoint is not None else None
+        return routing_stats(self.report(self._routing_reporter), events)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook (every autoscaling metrics_interval_s)."""
-        return self.autoscaling_signals() if self.engine is not None else {}
+        return autoscaling_metrics(self.autoscaling_report()) if self.engine is not None else {}
 
     def _kv_events_port(self, config: ModelConfig) -> int | None:
         """Leases this replica's KV event port when its model's router follows engine events."""

@@ -11,8 +11,7 @@ from collections import Counter
 
 from ray import serve
 
-from fleetserve.deployments.ingress.admission import EngineReport
-from fleetserve.platform.stats import EngineStats
+from fleetserve.platform.replica_report import ReplicaReport
 
 
 class MetricsHub:
@@ -26,32 +25,31 @@ class MetricsHub:
         self.ttl_s = ttl_s
         # replica id -> (model, pool, pushed at, exposition)
         self._latest: dict[str, tuple[str, str, float, bytes]] = {}
-        # replica id -> the engine's stats at its last push (admission control reads them)
-        self._stats: dict[str, EngineStats] = {}
+        # replica id -> its report at its last push (admission control reads them)
+        self._reports: dict[str, ReplicaReport] = {}
 
     def _prune(self) -> None:
         horizon = time.monotonic() - self.ttl_s
         for replica_id in [key for key, entry in self._latest.items() if entry[2] < horizon]:
             del self._latest[replica_id]
-            self._stats.pop(replica_id, None)
+            self._reports.pop(replica_id, None)
 
     async def push(self, replica_id: str, model: str, pool: str, exposition: bytes,
-                   stats: EngineStats | None = None) -> None:
+                   report: ReplicaReport | None = None) -> None:
         self._latest[replica_id] = (model, pool, time.monotonic(), exposition)
-        if stats is not None:
-            self._stats[replica_id] = stats
+        if report is not None:
+            self._reports[replica_id] = report
 
     async def remove(self, replica_id: str) -> None:
         self._latest.pop(replica_id, None)
-        self._stats.pop(replica_id, None)
+        self._reports.pop(replica_id, None)
 
-    async def loads(self) -> dict[str, list[EngineReport]]:
-        """Every live replica's latest engine stats, per model."""
+    async def loads(self) -> dict[str, list[ReplicaReport]]:
+        """Every live replica's latest report, per model."""
         self._prune()
-        loads: dict[str, list[EngineReport]] = {}
-        for replica_id, stats in self._stats.items():
-            model, pool, _, _ = self._latest[replica_id]
-            loads.setdefault(model, []).append(EngineReport(replica_id, pool, stats))
+        loads: dict[str, list[ReplicaReport]] = {}
+        for replica_id, report in self._reports.items():
+            loads.setdefault(self._latest[replica_id][0], []).append(report)
         return loads
 
     async def collect(self) -> tuple[list[bytes], dict[tuple[str, str], int]]:

@@ -9,16 +9,16 @@ from fleetserve.autoscaler.policy import (
     OngoingRequestsPolicy,
     PoolObservation,
     QueueDepthPolicy,
-    ReplicaSignals,
     make_policy,
 )
 from fleetserve.platform.config import AutoscalingConfig, ConfigError, parse_section
+from fleetserve.platform.replica_report import ReplicaReport
 
 
 def obs(time_s: float, *kv: float, waiting: int = 0, running: int = 1, queued: int = 0,
         ttft: float | None = None, num_replicas: int | None = None) -> PoolObservation:
-    """A pool observation with one ReplicaSignals per KV usage given."""
-    replicas = tuple(ReplicaSignals(kv_cache_usage=u, num_waiting=waiting, num_running=running, ttft_s=ttft) for u in kv)
+    """A pool observation with one ReplicaReport per KV usage given."""
+    replicas = tuple(ReplicaReport(kv_cache_usage=u, num_waiting=waiting, num_running=running, ttft_s=ttft) for u in kv)
     return PoolObservation(time_s, len(kv) if num_replicas is None else num_replicas, replicas, queued)
 
 
@@ -166,7 +166,7 @@ def prefill_obs(time_s: float, *rates: float, pending: tuple[int, ...] = (), num
                 waiting: int = 0) -> PoolObservation:
     """Replicas that computed ``rates`` prompt tokens/s, with ``pending`` prompt tokens of backlog each."""
     pending = pending or (0,) * len(rates)
-    replicas = tuple(ReplicaSignals(prompt_tokens_per_s=rate, num_pending_prompt_tokens=backlog, num_waiting=waiting)
+    replicas = tuple(ReplicaReport(prompt_tokens_per_s=rate, num_pending_prompt_tokens=backlog, num_waiting=waiting)
                      for rate, backlog in zip(rates, pending))
     return PoolObservation(time_s, len(rates) if num_replicas is None else num_replicas, replicas)
 

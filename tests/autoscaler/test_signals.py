@@ -62,13 +62,14 @@ async def test_a_prompt_whose_kv_comes_from_a_prefill_replica_is_no_backlog():
 
 
 def test_serve_adapter_reads_every_signal_a_replica_reports():
-    from fleetserve.autoscaler.serve_adapter import _signals
+    from fleetserve.autoscaler.serve_adapter import _reports
 
     # Serve's aggregated_metrics: metric name -> replica id -> value; replica "b" has not reported yet.
     reported = {"kv_cache_usage": 0.5, "num_waiting": 2.0, "num_running": 3.0, "tokens_per_s": 900.0,
                 "prompt_tokens_per_s": 700.0, "num_pending_prompt_tokens": 1200.0, "ttft_s": float("nan")}
     metrics = {name: {"a": value} for name, value in reported.items()}
-    (signals,) = _signals(metrics, ["a", "b"])
+    (signals,) = _reports(metrics, ["a", "b"], "colocated")
     assert (signals.kv_cache_usage, signals.num_waiting, signals.num_running, signals.tokens_per_s,
             signals.prompt_tokens_per_s, signals.num_pending_prompt_tokens, signals.ttft_s) == (
         0.5, 2, 3, 900.0, 700.0, 1200, None)
+    assert (signals.replica_id, signals.pool) == ("a", "colocated")

@@ -211,7 +211,7 @@ async def test_autoscaling_signals_put_prefill_work_on_the_pool_that_does_it(clu
     decode, prefill = cluster.decode[0], cluster.prefill[0]
     decode.prefill_client = LocalPrefillClient(cluster.prefill, order=[0])
     for server in (decode, prefill):
-        server.autoscaling_signals()  # opens the interval the next rates cover
+        server.autoscaling_report()  # opens the interval the next rates cover
     before = [server.engine.stats() for server in (decode, prefill)]
     tasks = [asyncio.ensure_future(run(decode, prompt, f"signals-{i}")) for i, prompt in enumerate(prompts(29))]
     peaks = [0, 0]
@@ -219,11 +219,11 @@ async def test_autoscaling_signals_put_prefill_work_on_the_pool_that_does_it(clu
         peaks = [max(peak, server.engine.num_pending_prompt_tokens) for peak, server in zip(peaks, (decode, prefill))]
         await asyncio.sleep(0.002)
     await asyncio.gather(*tasks)
-    signals = [server.autoscaling_signals() for server in (decode, prefill)]
+    signals = [server.autoscaling_report() for server in (decode, prefill)]
     computed = [a.num_computed_prompt_tokens - b.num_computed_prompt_tokens
                 for a, b in zip((decode.engine.stats(), prefill.engine.stats()), before)]
     # Every prompt's KV came from p0: the backlog and the computed tokens are p0's, none are d0's.
     assert peaks[0] == 0 and 0 < peaks[1] <= sum(PROMPT_LENGTHS)
     assert computed == [0, sum(PROMPT_LENGTHS)]
-    assert signals[0]["prompt_tokens_per_s"] == 0 and signals[1]["prompt_tokens_per_s"] > 0
-    assert [s["num_pending_prompt_tokens"] for s in signals] == [0, 0]
+    assert signals[0].prompt_tokens_per_s == 0 and signals[1].prompt_tokens_per_s > 0
+    assert [s.num_pending_prompt_tokens for s in signals] == [0, 0]

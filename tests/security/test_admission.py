@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from fleetserve.deployments.ingress.admission import AdmissionController, EngineReport
+from fleetserve.deployments.ingress.admission import AdmissionController
+from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.platform.config import LimitsConfig, ModelConfig
-from fleetserve.platform.stats import EngineStats
 
 
 class Clock:
@@ -24,8 +24,8 @@ def controller(replicas: int = 1, max_num_seqs: int = 4, **limits) -> tuple[Admi
     return AdmissionController(model, LimitsConfig(**limits), clock), clock
 
 
-def load(replica_id: str = "a", pool: str = "colocated", **stats) -> EngineReport:
-    return EngineReport(replica_id, pool, EngineStats(**stats))
+def load(replica_id: str = "a", pool: str = "colocated", **stats) -> ReplicaReport:
+    return ReplicaReport(replica_id=replica_id, pool=pool, **stats)
 
 
 def test_queue_bound_is_what_the_engines_drain_within_max_wait():

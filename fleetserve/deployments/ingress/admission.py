@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.platform.config import LimitsConfig, ModelConfig
-from fleetserve.platform.stats import EngineStats
+from fleetserve.platform.replica_report import ReplicaReport
 
 # Mean KV usage at or above which engines cannot start more requests (they would preempt), so requests
 # sent to them wait; below it, and with nothing waiting, engines start what they are sent at once.
@@ -27,16 +27,6 @@ RATE_WINDOW_S = 10.0
 # Bounds on the Retry-After a rejected caller is given.
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
-
-
-@dataclass(frozen=True)
-class EngineReport:
-    """One engine replica's last report, as the metrics hub holds it (not the router's ReplicaLoad)."""
-
-    replica_id: str
-    # colocated, prefill or decode.
-    pool: str
-    stats: EngineStats
 
 
 @dataclass(frozen=True)
@@ -74,15 +64,15 @@ class AdmissionController:
         serving = (model.pool_model("decode") if model is not None and model.disaggregation is not None else model)
         seqs = serving.engine_args.max_num_seqs if serving is not None else None
         self.max_num_seqs = seqs or DEFAULT_MAX_NUM_SEQS
-        self.loads: list[EngineReport] = []
+        self.loads: list[ReplicaReport] = []
         # (monotonic time, finished count per replica id), newest last, spanning RATE_WINDOW_S.
         self._history: deque[tuple[float, dict[str, int]]] = deque()
 
-    def observe(self, loads: list[EngineReport]) -> None:
+    def observe(self, loads: list[ReplicaReport]) -> None:
         """Takes the engines' latest reports (all pools of the model)."""
         now = self.clock()
         self.loads = loads
-        self._history.append((now, {load.replica_id: load.stats.num_finished for load in loads}))
+        self._history.append((now, {load.replica_id: load.num_finished for load in loads}))
         while len(self._history) > 2 and now - self._history[1][0] >= RATE_WINDOW_S:
             self._history.popleft()
 
@@ -97,7 +87,7 @@ class AdmissionController:
         finished = sum(max(0, after[rid] - before[rid]) for rid in after.keys() & before.keys())
         return finished / (end - start)
 
-    def _serving(self) -> list[EngineReport]:
+    def _serving(self) -> list[ReplicaReport]:
         return [load for load in self.loads if load.pool in ("colocated", "decode")]
 
     def decide(self, num_in_flight: int, num_unstarted: int | None = None) -> AdmissionDecision:
@@ -122,8 +112,8 @@ class AdmissionController:
         # Requests this ingress has streaming: fresher than the engines' running counts, which lag a
         # second, so a slot freed since the last report is seen at once.
         started = in_flight - unstarted
-        waiting = sum(load.stats.num_waiting for load in self.loads)
-        kv_usage = sum(load.stats.kv_cache_usage for load in serving) / num_replicas
+        waiting = sum(load.num_waiting for load in self.loads)
+        kv_usage = sum(load.kv_cache_usage for load in serving) / num_replicas
         slots = self.max_num_seqs * num_replicas
         # Engines with nothing waiting and KV to spare start what they are sent, up to max_num_seqs.
         headroom = max(0, slots - started) if waiting == 0 and kv_usage < KV_SATURATED else 0

@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fleetserve.deployments.ingress.admission import AdmissionController, EngineReport
+from fleetserve.deployments.ingress.admission import AdmissionController
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.protocol import (
     HEADER_MODEL,
@@ -44,6 +44,7 @@ from fleetserve.deployments.ingress.security import FrontDoor, Principal, estima
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig
 from fleetserve.platform.engine import EngineRequestError
+from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.platform.metrics import merge_expositions
 from fleetserve.router.replica import decisions
@@ -155,7 +156,7 @@ OPEN_PATHS = ("/health", "/openapi.json", "/docs")
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
 # Engines' latest stats per model, for admission control.
-LoadSource = Callable[[], Awaitable[dict[str, list[EngineReport]]]]
+LoadSource = Callable[[], Awaitable[dict[str, list[ReplicaReport]]]]
 # Seconds between admission control's reads of the engines' stats.
 LOAD_REFRESH_S = 0.5
 

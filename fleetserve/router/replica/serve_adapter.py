@@ -2,7 +2,8 @@
 
 Serve runs one router per deployment handle, in the caller's process (the ingress). It counts its
 own outstanding requests per replica (as SGLang's router does: fresher than any polled stat) and
-reads KV usage from the stats each replica reports through ``record_routing_stats``.
+reads KV usage from the report each replica publishes through ``record_routing_stats``
+(``routing_stats`` writes it, ``RoutingStats`` reads it back: the only dict of this contract).
 """
 
 from __future__ import annotations
@@ -10,15 +11,51 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
 
 from fleetserve.router.replica import decisions
 from fleetserve.router.replica.kv_events import KVEventIndex, KVEventSubscriber
+from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.router.replica.policy import ReplicaLoad, make_policy
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVEventSource:
+    """Where a replica publishes its engine's KV cache events (routing.prefix_source kv_events)."""
+
+    # The ZMQ endpoint routers subscribe to, e.g. tcp://10.0.0.5:5557.
+    endpoint: str
+    # Tokens per KV block, so the router hashes prompts into the blocks the events describe.
+    block_size: int
+
+
+def routing_stats(report: ReplicaReport, kv_events: KVEventSource | None = None) -> dict[str, Any]:
+    """What a replica returns from Serve's ``record_routing_stats`` hook."""
+    stats: dict[str, Any] = {"kv_cache_usage": report.kv_cache_usage, "num_running": report.num_running,
+                             "num_waiting": report.num_waiting}
+    if kv_events is not None:
+        stats.update(kv_events_endpoint=kv_events.endpoint, kv_block_size=kv_events.block_size)
+    return stats
+
+
+@dataclass(frozen=True)
+class RoutingStats:
+    """A replica's routing stats as the router last received them (None before its first report)."""
+
+    kv_cache_usage: float | None
+    kv_events: KVEventSource | None
+
+    @classmethod
+    def of(cls, replica: RunningReplica) -> RoutingStats:
+        stats = replica.routing_stats or {}
+        events = (KVEventSource(stats["kv_events_endpoint"], int(stats["kv_block_size"]))
+                  if "kv_events_endpoint" in stats else None)
+        return cls(stats.get("kv_cache_usage"), events)
 
 
 def request_text(request: Any) -> tuple[str, str | None]:
@@ -47,10 +84,10 @@ class EventKeys:
 
     def follow(self, replicas: list[RunningReplica]) -> None:
         for replica in replicas:
-            stats = replica.routing_stats or {}
-            if "kv_events_endpoint" in stats:
-                self.subscriber.follow(replica.replica_id.unique_id, stats["kv_events_endpoint"])
-                self.index.block_size = self.index.block_size or int(stats["kv_block_size"])
+            events = RoutingStats.of(replica).kv_events
+            if events is not None:
+                self.subscriber.follow(replica.replica_id.unique_id, events.endpoint)
+                self.index.block_size = self.index.block_size or events.block_size
 
     def key(self, request: Any) -> list[int]:
         from fleetserve.platform.engine import chat_token_ids
@@ -101,8 +138,7 @@ class FleetserveRequestRouter(FIFOMixin, RequestRouter):
             self.event_keys.follow(candidate_replicas)
             text = self.event_keys.key(request)
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        loads = [ReplicaLoad(replica_id, self.outstanding[replica_id],
-                             (replica.routing_stats or {}).get("kv_cache_usage"))
+        loads = [ReplicaLoad(replica_id, self.outstanding[replica_id], RoutingStats.of(replica).kv_cache_usage)
                  for replica_id, replica in by_id.items()]
         decision = self.policy.choose(text, loads, session_id)
         decisions.record(getattr(request, "request_id", None), decision)
