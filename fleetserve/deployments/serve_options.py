@@ -46,9 +46,7 @@ def request_router_config(routing: RoutingConfig) -> dict[str, Any] | None:
         return None
     return {
         "request_router_class": FleetserveRequestRouter,
-        "request_router_kwargs": {"policy": routing.policy, "balance_abs_threshold": routing.balance_abs_threshold,
-                                  "balance_rel_threshold": routing.balance_rel_threshold,
-                                  "cache_threshold": routing.cache_threshold, "prefix_source": routing.prefix_source},
+        "request_router_kwargs": {"routing": routing.model_dump()},
         "request_routing_stats_period_s": routing.stats_period_s,
     }
 

@@ -114,4 +114,4 @@ def test_kv_event_routing_reaches_the_request_router():
     model = parse_config({"models": [{"name": "m", "source": "tiny-random-llama",
                                       "routing": {"prefix_source": "kv_events"}}]}).models[0]
     kwargs = deployment_options(model)["request_router_config"]["request_router_kwargs"]
-    assert (kwargs["policy"], kwargs["prefix_source"]) == ("cache_aware", "kv_events")
+    assert (kwargs["routing"]["policy"], kwargs["routing"]["prefix_source"]) == ("cache_aware", "kv_events")

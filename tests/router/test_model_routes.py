@@ -8,7 +8,8 @@ import pytest
 from factories import synthetic_correctness
 
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.ingress.server import LocalModelClient, OpenAIIngress
+from fleetserve.deployments.ingress.model_clients import LocalModelClient
+from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.platform.config import ConfigError, ModelConfig, ModelRoutingConfig, parse_config
 from fleetserve.router.model.embedders import make_embedder
 from fleetserve.router.model.routes import RouteError, RouteTable, routing_text

@@ -2,6 +2,7 @@
 
 import pytest
 
+from fleetserve.platform.config import ConfigError, RoutingConfig, parse_config
 from fleetserve.router.replica.prefix_index import PrefixIndex, block_hashes
 from fleetserve.router.replica.policy import (
     CacheAwarePolicy,
@@ -115,7 +116,12 @@ def test_round_robin_and_power_of_two():
     assert {p2.choose("", loads(r0=5, r1=1)).replica_id for _ in range(20)} == {"r1"}
 
 
-def test_make_policy_rejects_unknown_names():
-    assert isinstance(make_policy("cache_aware", cache_threshold=0.3), CacheAwarePolicy)
-    with pytest.raises(ValueError, match="unknown routing policy 'fastest'; expected one of cache_aware"):
-        make_policy("fastest")
+def test_make_policy_builds_what_routing_names_with_its_thresholds():
+    policy = make_policy(RoutingConfig(policy="cache_aware", cache_threshold=0.3))
+    assert isinstance(policy, CacheAwarePolicy)
+    # The thresholds routing: leaves unset are its own defaults (SGLang's): 32 and 1.5.
+    assert policy.thresholds == CacheAwareThresholds(32, 1.5, 0.3) == CacheAwareThresholds(cache_threshold=0.3)
+    assert isinstance(make_policy(RoutingConfig(policy="session")), SessionAffinityPolicy)
+    assert isinstance(make_policy(RoutingConfig(policy="power_of_two")), PowerOfTwoPolicy)
+    with pytest.raises(ConfigError, match="routing.policy: Input should be 'cache_aware'"):
+        parse_config({"models": [{"name": "m", "source": "x", "routing": {"policy": "fastest"}}]})

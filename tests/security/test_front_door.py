@@ -13,7 +13,8 @@ import openai
 import pytest
 
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.ingress.server import LocalModelClient, OpenAIIngress
+from fleetserve.deployments.ingress.model_clients import LocalModelClient
+from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.deployments.ingress.security import FrontDoor, RateLimiter, TokenBucket, hash_key
 from fleetserve.platform.config import AuthConfig, ConfigError, ModelConfig, TenantConfig, parse_config
 

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.ingress.server import LocalModelClient, OpenAIIngress
+from fleetserve.deployments.ingress.model_clients import LocalModelClient
+from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.deployments.ingress.security import FrontDoor, hash_key
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig
 

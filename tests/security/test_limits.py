@@ -8,7 +8,8 @@ import httpx
 import pytest
 
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.ingress.server import LocalModelClient, OpenAIIngress
+from fleetserve.deployments.ingress.model_clients import LocalModelClient
+from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.platform.config import LimitsConfig, ModelConfig
 
 
@@ -146,7 +147,7 @@ async def test_replica_dying_mid_stream_is_not_retried(fake_engine_cls):
 async def test_event_stream_closes_its_iterator_when_the_client_goes(failure):
     from starlette.responses import StreamingResponse
 
-    from fleetserve.deployments.ingress.server import EventStreamResponse
+    from fleetserve.deployments.ingress.streaming import EventStreamResponse
 
     # (response, events yielded) when each body iterator ended.
     closed: list[tuple[str, int]] = []

@@ -7,7 +7,8 @@ import httpx
 import pytest
 
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.ingress.server import LocalModelClient, OpenAIIngress
+from fleetserve.deployments.ingress.model_clients import LocalModelClient
+from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.platform.config import ModelConfig
 
 

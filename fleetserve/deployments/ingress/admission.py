@@ -61,7 +61,7 @@ class AdmissionController:
         self.limits = limits
         self.clock = clock
         self.max_serving_replicas = model.max_serving_replicas if model is not None else 1
-        serving = (model.pool_model("decode") if model is not None and model.disaggregation is not None else model)
+        serving = model.serving_model() if model is not None else None
         seqs = serving.engine_args.max_num_seqs if serving is not None else None
         self.max_num_seqs = seqs or DEFAULT_MAX_NUM_SEQS
         self.loads: list[ReplicaReport] = []

@@ -16,16 +16,13 @@ import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Protocol
+from typing import Any
 
-import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from fleetserve.deployments.ingress.admission import AdmissionController
-from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.protocol import (
     HEADER_MODEL,
     HEADER_POOL,
@@ -39,114 +36,18 @@ from fleetserve.deployments.ingress.protocol import (
     APIError,
     new_id,
 )
+from fleetserve.deployments.ingress.limits import LoadSource, WorkLimits, check_request_limits
+from fleetserve.deployments.ingress.model_clients import HandleModelClient, ModelClient
 from fleetserve.deployments.ingress.request_fields import RequestFields, parse_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
+from fleetserve.deployments.ingress.streaming import EventStreamResponse, as_api_error, error_response, relay_stream
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig
-from fleetserve.platform.engine import EngineRequestError
-from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.platform.metrics import merge_expositions
-from fleetserve.router.replica import decisions
 from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, routing_text
 
 logger = logging.getLogger(__name__)
-
-
-class ModelClient(Protocol):
-    """How the ingress reaches one model's engines."""
-
-    def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]: ...
-
-    def route_reason(self, request_id: str) -> str | None:
-        """Why the replica router chose the replica for this request, when a router decided."""
-        ...
-
-
-class LocalModelClient:
-    """Calls an in-process ``EngineServer`` (tests, single-process use)."""
-
-    def __init__(self, server: EngineServer) -> None:
-        self.server = server
-
-    def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:
-        return self.server.forward(request)
-
-    def route_reason(self, request_id: str) -> str | None:
-        return None
-
-
-class HandleModelClient:
-    """Calls an engine deployment through a Serve handle, cancelling it if the stream is dropped."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle.options(stream=True)
-
-    async def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:
-        response = self.handle.forward.remote(request)
-        done = False
-        try:
-            async for chunk in response:
-                yield chunk
-            done = True
-        finally:
-            if not done:
-                response.cancel()
-
-    def route_reason(self, request_id: str) -> str | None:
-        decision = decisions.pop(request_id)
-        return decision.reason if decision is not None else None
-
-
-def as_api_error(error: BaseException) -> APIError:
-    """Maps an exception from an engine (possibly wrapped by Ray) to the API error to return."""
-    if isinstance(error, APIError):
-        return error
-    cause = getattr(error, "cause", None) or error
-    if isinstance(error, EngineRequestError):
-        cause = error
-    if isinstance(cause, EngineRequestError):
-        return APIError(cause.message, cause.status_code, cause.error_type, cause.param)
-    name = type(error).__name__
-    if "ActorDied" in name or "ActorUnavailable" in name or "BackPressure" in name:
-        return APIError(f"the model's engine is unavailable ({name}); retry shortly", 503,
-                        "service_unavailable", code="engine_unavailable")
-    logger.exception("request failed in the engine", exc_info=error)
-    return APIError(f"internal error in the engine: {name}: {cause}", 500, "internal_error")
-
-
-def _error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers={**(error.headers or {}), **(headers or {})})
-
-
-class EventStreamResponse(StreamingResponse):
-    """A server-sent-events response that always ends its body iterator, and so the engine request,
-    when the stream stops for any reason.
-
-    Starlette, under ASGI 2.4 servers, stops listening for the client's disconnect and leaves the body
-    iterator unclosed when ``send`` fails; middleware can abandon it too. An unclosed iterator keeps its
-    engine request running and its admission slot taken until garbage collection, if ever.
-    """
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            async with anyio.create_task_group() as task_group:
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the client is gone
-                        pass
-                    task_group.cancel_scope.cancel()
-
-                task_group.start_soon(stream)
-                await self.listen_for_disconnect(receive)
-                task_group.cancel_scope.cancel()
-        finally:
-            await self.body_iterator.aclose()
-
-
-def _sse(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
 
 
 # Every path the ingress forwards; requests on them are counted in fleetserve_requests_total.
@@ -155,10 +56,6 @@ FORWARDED_ROUTES = tuple(endpoint.value for endpoint in Endpoint)
 OPEN_PATHS = ("/health", "/openapi.json", "/docs")
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
-# Engines' latest stats per model, for admission control.
-LoadSource = Callable[[], Awaitable[dict[str, list[ReplicaReport]]]]
-# Seconds between admission control's reads of the engines' stats.
-LOAD_REFRESH_S = 0.5
 
 
 class OpenAIIngress:
@@ -192,16 +89,15 @@ class OpenAIIngress:
         self.platform_metrics = IngressMetrics()
         self.front_door = front_door
         self.limits = limits or LimitsConfig()
-        # Requests admitted and not yet finished, per served model (admission control).
-        self.in_flight: dict[str, int] = {name: 0 for name in clients}
-        # Of those, the requests still waiting for their first token (queued or being prefilled).
-        self.unstarted: dict[str, int] = {name: 0 for name in clients}
-        self.admission = {name: AdmissionController(self.models.get(name), self.limits) for name in clients}
-        self.load_source = load_source
-        self._load_refresher: asyncio.Task | None = None
+        self.work = WorkLimits(list(clients), self.models, self.limits, self.platform_metrics, load_source)
         if front_door is None:
             logger.warning("AUTH IS OFF: this endpoint serves anyone who can reach it, with no rate limits. "
                            "Add `auth:` to the platform config to require API keys.")
+
+    @property
+    def in_flight(self) -> dict[str, int]:
+        """Requests admitted and not yet finished, per served model."""
+        return self.work.in_flight
 
     def _principal(self, request: Request) -> Principal | None:
         """The caller (None when auth is off).
@@ -222,7 +118,7 @@ class OpenAIIngress:
 
         @app.exception_handler(APIError)
         async def _api_error(_: Request, error: APIError) -> JSONResponse:
-            return _error_response(error)
+            return error_response(error)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -231,7 +127,7 @@ class OpenAIIngress:
             message = (f"Unknown path {request.method} {request.url.path}" if error.status_code == 404
                        else f"{request.method} is not allowed on {request.url.path}"
                        if error.status_code == 405 else str(error.detail))
-            return _error_response(APIError(message, error.status_code, kind))
+            return error_response(APIError(message, error.status_code, kind))
 
         @app.middleware("http")
         async def count_requests(request: Request, call_next):
@@ -247,7 +143,7 @@ class OpenAIIngress:
         async def limit_body(request: Request, call_next):
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
-                return _error_response(APIError(
+                return error_response(APIError(
                     f"request body is {int(length)} bytes; the limit is {self.limits.max_body_bytes}", 400,
                     code="request_too_large"))
             return await call_next(request)
@@ -259,7 +155,7 @@ class OpenAIIngress:
                 try:
                     request.state.principal = self._principal(request)
                 except APIError as error:
-                    return _error_response(error)
+                    return error_response(error)
             return await call_next(request)
 
         @app.get("/health")
@@ -306,24 +202,6 @@ class OpenAIIngress:
 
         return handler
 
-    def _check_limits(self, fields: RequestFields) -> None:
-        """Checks the request against the configured limits.
-
-        Raises:
-            APIError: 400 naming the limit.
-        """
-        limits = self.limits
-        if fields.num_messages > limits.max_messages:
-            raise APIError(f"{fields.num_messages} messages; the limit is {limits.max_messages}", 400,
-                           param="messages", code="too_many_messages")
-        if limits.max_tokens is not None and fields.max_tokens is not None and fields.max_tokens > limits.max_tokens:
-            raise APIError(f"max_tokens is {fields.max_tokens}; the limit is {limits.max_tokens}", 400,
-                           param="max_tokens", code="max_tokens_too_large")
-        text = fields.prompt_text
-        if len(text) > limits.max_prompt_chars:
-            raise APIError(f"the prompt has {len(text)} characters; the limit is {limits.max_prompt_chars}", 400,
-                           param="messages" if fields.messages is not None else "prompt", code="prompt_too_long")
-
     def _admit(self, raw: Request, fields: RequestFields) -> None:
         """Checks request limits, then (with auth on) that the model is the caller's to use, and charges
         the caller's rate limits.
@@ -331,7 +209,7 @@ class OpenAIIngress:
         Raises:
             APIError: 400 (a limit), 403 (model not allowed), 429 (rate limit, with Retry-After).
         """
-        self._check_limits(fields)
+        check_request_limits(fields, self.limits)
         principal = getattr(raw.state, "principal", None)
         if principal is None:
             return
@@ -340,56 +218,6 @@ class OpenAIIngress:
         else:
             self._client(fields.model)  # a 404 naming the models, as without auth
         self.front_door.limiter.admit(principal.tenant, estimated_tokens(fields.prompt_text, fields.max_tokens))
-
-    async def _refresh_loads(self) -> None:
-        """Feeds the engines' stats to admission control, every LOAD_REFRESH_S, for the ingress's life."""
-        while True:
-            try:
-                loads = await self.load_source()
-                for name, controller in self.admission.items():
-                    controller.observe(loads.get(name, []))
-            except Exception:  # noqa: BLE001 - stale stats only loosen admission to its hard bound
-                logger.warning("reading engine load for admission control failed; retrying", exc_info=True)
-            await asyncio.sleep(LOAD_REFRESH_S)
-
-    def _admit_to_engines(self, model: str) -> None:
-        """Admission control for one request to ``model``.
-
-        Raises:
-            APIError: 503 ``overloaded`` with Retry-After.
-        """
-        if self.load_source is not None and self._load_refresher is None:
-            self._load_refresher = asyncio.get_running_loop().create_task(self._refresh_loads())
-        controller = self.admission[model]
-        decision = controller.decide(self.in_flight[model], self.unstarted[model])
-        if not decision.admitted:
-            self.platform_metrics.rejections.labels(
-                model, "queue" if decision.queue_allowance is not None else "in_flight").inc()
-            raise controller.refusal(model, decision)
-        if decision.queue_allowance is not None:
-            self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)
-
-    async def _guarded(self, model: str, stream: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:
-        """Counts the request as in flight while it runs, and aborts it when it stops making progress."""
-        self.in_flight[model] = self.in_flight.get(model, 0) + 1
-        self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
-        timeout = self.limits.progress_timeout_s
-        try:
-            while True:
-                try:
-                    async with asyncio.timeout(timeout):
-                        chunk = await anext(stream)
-                except StopAsyncIteration:
-                    return
-                except TimeoutError:
-                    logger.warning("request on %s made no progress for %gs; aborted", model, timeout)
-                    raise APIError(f"the request made no progress for {timeout:g} s and was aborted", 504,
-                                   "timeout_error", code="no_progress") from None
-                yield chunk
-        finally:
-            self.in_flight[model] -= 1
-            self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
-            await stream.aclose()
 
     async def metrics_exposition(self) -> bytes:
         """The ingress's fleetserve_* metrics plus every live engine replica's vllm:* metrics."""
@@ -400,17 +228,6 @@ class OpenAIIngress:
             for (model, pool), count in replica_counts.items():
                 self.platform_metrics.replicas.labels(model, pool).set(count)
         return merge_expositions([self.platform_metrics.exposition(), *engine_texts])
-
-    def _account(self, model: str, usage_prompt: int, usage_completion: int, choice: RouteChoice | None = None) -> None:
-        config = self.models.get(model)
-        if config is None:
-            return
-        cost = config.request_cost(usage_prompt, usage_completion)
-        self.platform_metrics.cost.labels(model).inc(cost)
-        strongest = self.models.get(choice.strongest_model) if choice is not None else None
-        if strongest is not None:
-            saved = strongest.request_cost(usage_prompt, usage_completion) - cost
-            self.platform_metrics.route_cost_saved.labels(choice.route).inc(max(0.0, saved))
 
     async def _route(self, endpoint: Endpoint, fields: RequestFields) -> RouteChoice:
         """Resolves a routed model name to the served model for this request."""
@@ -430,9 +247,9 @@ class OpenAIIngress:
         return choice
 
     def _pool_of(self, model: str) -> str:
-        """The pool whose replica streams the response: decode for a disaggregated model."""
+        """The pool whose replica streams the response (decode for a disaggregated model)."""
         config = self.models.get(model)
-        return "decode" if config is not None and config.disaggregation is not None else self.pool
+        return config.serving_pool if config is not None else self.pool
 
     def _client(self, model: str) -> ModelClient:
         client = self.clients.get(model)
@@ -475,7 +292,7 @@ class OpenAIIngress:
         forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body)
         request = ApiRequest(request_id, endpoint, forwarded, strip_usage, fields.routing_hints(session_id))
         if endpoint.generates:
-            self._admit_to_engines(model)
+            self.work.admit(model)
         stream, first = await self._start(model, client, request)
         head = first.head
         headers = {HEADER_MODEL: model, HEADER_REPLICA: head.replica_id, HEADER_POOL: self._pool_of(model),
@@ -493,7 +310,8 @@ class OpenAIIngress:
         if head.started_at:
             self.platform_metrics.queue_time.labels(model).observe(max(0.0, head.started_at - received_at))
         if head.is_stream:
-            return EventStreamResponse(self._relay_stream(model, first, stream, choice), status_code=head.status_code,
+            relayed = relay_stream(first, stream, lambda usage: self._account(model, usage, choice))
+            return EventStreamResponse(relayed, status_code=head.status_code,
                                        media_type=head.media_type, headers=headers)
         parts = [first.data]
         usage = first.usage
@@ -502,7 +320,7 @@ class OpenAIIngress:
                 parts.append(chunk.data)
                 usage = chunk.usage or usage
         except Exception as error:  # noqa: BLE001
-            return _error_response(as_api_error(error), headers)
+            return error_response(as_api_error(error), headers)
         self._account(model, usage, choice)
         return Response(b"".join(parts), status_code=head.status_code, media_type=head.media_type, headers=headers)
 
@@ -526,10 +344,10 @@ class OpenAIIngress:
             APIError: the engine's error, or 503 once the retries are spent.
         """
         num_retries = 0
-        self.unstarted[model] += 1
+        self.work.unstarted[model] += 1
         try:
             while True:
-                stream = self._guarded(model, client.forward(request))
+                stream = self.work.guarded(model, client.forward(request))
                 try:
                     return stream, await anext(stream)
                 except StopAsyncIteration:
@@ -543,27 +361,7 @@ class OpenAIIngress:
                                request.request_id, api_error.message, num_retries)
                 self.platform_metrics.engine_retries.labels(model).inc()
         finally:
-            self.unstarted[model] -= 1
-
-    async def _relay_stream(self, model: str, first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk],
-                            choice: RouteChoice | None = None) -> AsyncIterator[bytes]:
-        usage = first.usage
-        try:
-            if first.data:
-                yield first.data
-            async for chunk in stream:
-                usage = chunk.usage or usage
-                if chunk.data:
-                    yield chunk.data
-        except asyncio.CancelledError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the client gets an error event, never silence
-            yield _sse(as_api_error(error).body())
-            yield b"data: [DONE]\n\n"
-        finally:
-            # A client that went away cancels this generator; closing the engine stream aborts the request.
-            await stream.aclose()
-            self._account(model, usage, choice)
+            self.work.unstarted[model] -= 1
 
 
 @serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})

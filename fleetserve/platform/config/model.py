@@ -87,7 +87,7 @@ class ModelConfig(Strict):
     @property
     def max_serving_replicas(self) -> int:
         """Most replicas that answer the ingress (colocated, or the decode pool): the autoscaling maximum."""
-        serving = self.pool_model("decode") if self.disaggregation is not None else self
+        serving = self.serving_model()
         return serving.autoscaling.max_replicas if serving.autoscaling is not None else serving.replicas
 
     @property
@@ -98,6 +98,15 @@ class ModelConfig(Strict):
     def pools(self) -> tuple[str, ...]:
         """The pools this model runs: colocated, or prefill and decode."""
         return ("colocated",) if self.disaggregation is None else ("prefill", "decode")
+
+    @property
+    def serving_pool(self) -> str:
+        """The pool whose replicas answer the ingress and stream the response: decode when disaggregated."""
+        return "decode" if self.disaggregation is not None else "colocated"
+
+    def serving_model(self) -> ModelConfig:
+        """This model's config for its serving pool (``serving_pool``)."""
+        return self.pool_model(self.serving_pool)
 
     def pool_model(self, pool: str) -> ModelConfig:
         """This model's config for one pool: that pool's replicas, engine args, autoscaling and routing.

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+from fleetserve.platform.config import RoutingConfig
 from fleetserve.router.replica.prefix_index import PrefixIndex
 
 Reason = Literal["cache_hit", "load", "imbalance", "session", "round_robin", "power_of_two"]
@@ -75,16 +76,25 @@ def _require(replicas: Sequence[ReplicaLoad]) -> None:
         raise NoReplicaError("no live replica to route to")
 
 
+# The thresholds' defaults are the platform config's (routing:), which follow SGLang's router.
+_DEFAULT_ROUTING = RoutingConfig()
+
+
 @dataclass(frozen=True)
 class CacheAwareThresholds:
-    """When cache affinity may win over load. Defaults follow SGLang's router."""
+    """When cache affinity may win over load."""
 
     # Load counts as imbalanced only if max - min outstanding requests exceeds this ...
-    balance_abs_threshold: int = 32
+    balance_abs_threshold: int = _DEFAULT_ROUTING.balance_abs_threshold
     # ... and max exceeds min x this. Then the least-loaded replica wins regardless of cache.
-    balance_rel_threshold: float = 1.5
+    balance_rel_threshold: float = _DEFAULT_ROUTING.balance_rel_threshold
     # The best-matching replica wins only if it holds at least this share of the prompt's blocks.
-    cache_threshold: float = 0.5
+    cache_threshold: float = _DEFAULT_ROUTING.cache_threshold
+
+    @classmethod
+    def of(cls, routing: RoutingConfig) -> CacheAwareThresholds:
+        """The thresholds a model's ``routing:`` sets."""
+        return cls(routing.balance_abs_threshold, routing.balance_rel_threshold, routing.cache_threshold)
 
 
 class CacheAwarePolicy:
@@ -205,17 +215,16 @@ class PowerOfTwoPolicy:
 POLICIES = ("cache_aware", "session", "round_robin", "power_of_two", "least_loaded")
 
 
-def make_policy(name: str, index: PrefixIndex | None = None, **thresholds: float) -> ReplicaPolicy:
-    """Builds a policy by its config name; thresholds and the prefix index apply to cache_aware (and
-    session's fallback)."""
+def make_policy(routing: RoutingConfig, index: PrefixIndex | None = None) -> ReplicaPolicy:
+    """The policy a model's ``routing:`` names; its thresholds and the prefix index apply to cache_aware
+    (and session's fallback for new sessions). The schema admits only known policies."""
+    name = routing.policy
     if name == "cache_aware":
-        return CacheAwarePolicy(CacheAwareThresholds(**thresholds), index)
+        return CacheAwarePolicy(CacheAwareThresholds.of(routing), index)
     if name == "session":
-        return SessionAffinityPolicy(CacheAwarePolicy(CacheAwareThresholds(**thresholds), index))
+        return SessionAffinityPolicy(CacheAwarePolicy(CacheAwareThresholds.of(routing), index))
     if name == "round_robin":
         return RoundRobinPolicy()
-    if name == "power_of_two":
-        return PowerOfTwoPolicy()
     if name == "least_loaded":
         return LeastLoadedPolicy()
-    raise ValueError(f"unknown routing policy {name!r}; expected one of {', '.join(POLICIES)}")
+    return PowerOfTwoPolicy()

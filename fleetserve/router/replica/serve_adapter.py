@@ -18,6 +18,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from fleetserve.router.replica import decisions
 from fleetserve.router.replica.kv_events import KVEventIndex, KVEventSubscriber
+from fleetserve.platform.config import RoutingConfig
 from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.router.replica.policy import ReplicaLoad, make_policy
 
@@ -107,12 +108,14 @@ class EventKeys:
 class FleetserveRequestRouter(FIFOMixin, RequestRouter):
     """Chooses replicas with a ``fleetserve.router.replica.policy`` policy."""
 
-    def initialize_state(self, policy: str = "cache_aware", prefix_source: str = "routed",
-                         tokenizer_source: str | None = None, chat_template: str | None = None,
-                         **thresholds: Any) -> None:
-        self.event_keys = EventKeys(tokenizer_source, chat_template) if prefix_source == "kv_events" else None
+    def initialize_state(self, routing: dict[str, Any] | None = None, tokenizer_source: str | None = None,
+                         chat_template: str | None = None) -> None:
+        """Serve's request_router_kwargs: the model's ``routing:`` (as a dict: Serve's kwargs are JSON), and
+        for kv_events routing the tokenizer and chat template its engines use."""
+        config = RoutingConfig.model_validate(routing or {})
+        self.event_keys = EventKeys(tokenizer_source, chat_template) if config.prefix_source == "kv_events" else None
         index = self.event_keys.index if self.event_keys is not None else None
-        self.policy = make_policy(policy, index, **thresholds)
+        self.policy = make_policy(config, index)
         self.outstanding: Counter[str] = Counter()
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:

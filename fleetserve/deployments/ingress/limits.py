@@ -1,0 +1,118 @@
+"""The ingress's limits on work: per-request limits, admission control against the engines' queues, and
+the in-flight count and progress timeout of every admitted request.
+
+Auth and tenants' rate limits are ``security``'s; this is what protects the engines whoever calls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from fleetserve.deployments.ingress.admission import AdmissionController
+from fleetserve.deployments.ingress.metrics import IngressMetrics
+from fleetserve.deployments.ingress.protocol import APIError
+from fleetserve.deployments.ingress.request_fields import RequestFields
+from fleetserve.platform.api_types import ReplicaChunk
+from fleetserve.platform.config import LimitsConfig, ModelConfig
+from fleetserve.platform.replica_report import ReplicaReport
+
+logger = logging.getLogger(__name__)
+# Engines' latest reports per model, for admission control.
+LoadSource = Callable[[], Awaitable[dict[str, list[ReplicaReport]]]]
+# Seconds between admission control's reads of the engines' reports.
+LOAD_REFRESH_S = 0.5
+
+
+def check_request_limits(fields: RequestFields, limits: LimitsConfig) -> None:
+    """Checks one request against the configured per-request limits.
+
+    Raises:
+        APIError: 400 naming the limit.
+    """
+    if fields.num_messages > limits.max_messages:
+        raise APIError(f"{fields.num_messages} messages; the limit is {limits.max_messages}", 400,
+                       param="messages", code="too_many_messages")
+    if limits.max_tokens is not None and fields.max_tokens is not None and fields.max_tokens > limits.max_tokens:
+        raise APIError(f"max_tokens is {fields.max_tokens}; the limit is {limits.max_tokens}", 400,
+                       param="max_tokens", code="max_tokens_too_large")
+    text = fields.prompt_text
+    if len(text) > limits.max_prompt_chars:
+        raise APIError(f"the prompt has {len(text)} characters; the limit is {limits.max_prompt_chars}", 400,
+                       param="messages" if fields.messages is not None else "prompt", code="prompt_too_long")
+
+
+class WorkLimits:
+    """Admission control and in-flight accounting for every served model.
+
+    Args:
+        models: the served model names.
+        configs: model name -> config (its serving replicas and max_num_seqs).
+        limits: the platform's limits.
+        metrics: the ingress's metrics (in flight, admission allowance, rejections).
+        load_source: returns the engines' latest reports per model; None bounds admission by
+            max_in_flight_per_replica alone.
+    """
+
+    def __init__(self, models: list[str], configs: dict[str, ModelConfig], limits: LimitsConfig,
+                 metrics: IngressMetrics, load_source: LoadSource | None = None) -> None:
+        self.limits = limits
+        self.platform_metrics = metrics
+        # Requests admitted and not yet finished, per served model.
+        self.in_flight: dict[str, int] = {name: 0 for name in models}
+        # Of those, the requests still waiting for their first token (queued or being prefilled).
+        self.unstarted: dict[str, int] = {name: 0 for name in models}
+        self.admission = {name: AdmissionController(configs.get(name), limits) for name in models}
+        self.load_source = load_source
+        self._load_refresher: asyncio.Task | None = None
+
+    async def _refresh_loads(self) -> None:
+        """Feeds the engines' stats to admission control, every LOAD_REFRESH_S, for the ingress's life."""
+        while True:
+            try:
+                loads = await self.load_source()
+                for name, controller in self.admission.items():
+                    controller.observe(loads.get(name, []))
+            except Exception:  # noqa: BLE001 - stale stats only loosen admission to its hard bound
+                logger.warning("reading engine load for admission control failed; retrying", exc_info=True)
+            await asyncio.sleep(LOAD_REFRESH_S)
+
+    def admit(self, model: str) -> None:
+        """Admission control for one request to ``model``.
+
+        Raises:
+            APIError: 503 ``overloaded`` with Retry-After.
+        """
+        if self.load_source is not None and self._load_refresher is None:
+            self._load_refresher = asyncio.get_running_loop().create_task(self._refresh_loads())
+        controller = self.admission[model]
+        decision = controller.decide(self.in_flight[model], self.unstarted[model])
+        if not decision.admitted:
+            self.platform_metrics.rejections.labels(
+                model, "queue" if decision.queue_allowance is not None else "in_flight").inc()
+            raise controller.refusal(model, decision)
+        if decision.queue_allowance is not None:
+            self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)
+
+    async def guarded(self, model: str, stream: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:
+        """Counts the request as in flight while it runs, and aborts it when it stops making progress."""
+        self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
+        timeout = self.limits.progress_timeout_s
+        try:
+            while True:
+                try:
+                    async with asyncio.timeout(timeout):
+                        chunk = await anext(stream)
+                except StopAsyncIteration:
+                    return
+                except TimeoutError:
+                    logger.warning("request on %s made no progress for %gs; aborted", model, timeout)
+                    raise APIError(f"the request made no progress for {timeout:g} s and was aborted", 504,
+                                   "timeout_error", code="no_progress") from None
+                yield chunk
+        finally:
+            self.in_flight[model] -= 1
+            self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
+            await stream.aclose()

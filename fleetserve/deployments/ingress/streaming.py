@@ -1,0 +1,94 @@
+"""Getting a replica's response to the client: engine failures as OpenAI errors, server-sent events that
+always end their engine request, and the relay of a replica's stream (accounting its usage at the end).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import anyio
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from fleetserve.deployments.ingress.protocol import APIError
+from fleetserve.platform.api_types import ReplicaChunk, TokenUsage
+from fleetserve.platform.engine import EngineRequestError
+
+logger = logging.getLogger(__name__)
+
+
+def as_api_error(error: BaseException) -> APIError:
+    """Maps an exception from an engine (possibly wrapped by Ray) to the API error to return."""
+    if isinstance(error, APIError):
+        return error
+    cause = getattr(error, "cause", None) or error
+    if isinstance(error, EngineRequestError):
+        cause = error
+    if isinstance(cause, EngineRequestError):
+        return APIError(cause.message, cause.status_code, cause.error_type, cause.param)
+    name = type(error).__name__
+    if "ActorDied" in name or "ActorUnavailable" in name or "BackPressure" in name:
+        return APIError(f"the model's engine is unavailable ({name}); retry shortly", 503,
+                        "service_unavailable", code="engine_unavailable")
+    logger.exception("request failed in the engine", exc_info=error)
+    return APIError(f"internal error in the engine: {name}: {cause}", 500, "internal_error")
+
+
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers={**(error.headers or {}), **(headers or {})})
+
+
+class EventStreamResponse(StreamingResponse):
+    """A server-sent-events response that always ends its body iterator, and so the engine request,
+    when the stream stops for any reason.
+
+    Starlette, under ASGI 2.4 servers, stops listening for the client's disconnect and leaves the body
+    iterator unclosed when ``send`` fails; middleware can abandon it too. An unclosed iterator keeps its
+    engine request running and its admission slot taken until garbage collection, if ever.
+    """
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            async with anyio.create_task_group() as task_group:
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client is gone
+                        pass
+                    task_group.cancel_scope.cancel()
+
+                task_group.start_soon(stream)
+                await self.listen_for_disconnect(receive)
+                task_group.cancel_scope.cancel()
+        finally:
+            await self.body_iterator.aclose()
+
+
+def sse_event(payload: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
+
+
+async def relay_stream(first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk],
+                       on_done: Callable[[TokenUsage | None], None]) -> AsyncIterator[bytes]:
+    """The stream's bytes as the replica wrote them; a failure mid-stream becomes an error event and
+    ``[DONE]`` (output cannot be unsent), and ``on_done`` gets the usage once the stream ends, however."""
+    usage = first.usage
+    try:
+        if first.data:
+            yield first.data
+        async for chunk in stream:
+            usage = chunk.usage or usage
+            if chunk.data:
+                yield chunk.data
+    except asyncio.CancelledError:
+        raise
+    except Exception as error:  # noqa: BLE001 - the client gets an error event, never silence
+        yield sse_event(as_api_error(error).body())
+        yield b"data: [DONE]\n\n"
+    finally:
+        # A client that went away cancels this generator; closing the engine stream aborts the request.
+        await stream.aclose()
+        on_done(usage)
