@@ -37,7 +37,9 @@ def autoscaling_config(autoscaling: AutoscalingConfig, initial_replicas: int, mo
             "downscale_delay_s": 0.0,
             "look_back_period_s": max(2 * autoscaling.metrics_interval_s, autoscaling.decision_period_s),
             "policy": {"policy_function": ServeAutoscalingPolicy,
-                       "policy_kwargs": {"model": model_name, "autoscaling": autoscaling.model_dump()}}}
+                       # The knobs the config set, so the adapter rebuilds the same config: a full dump would
+                       # also name the other policies' knobs, which the schema refuses.
+                       "policy_kwargs": {"model": model_name, "autoscaling": autoscaling.model_dump(exclude_unset=True)}}}
 
 
 def request_router_config(routing: RoutingConfig) -> dict[str, Any] | None:

@@ -1,0 +1,50 @@
+"""Serve options from the platform config: the adapters Serve instantiates rebuild exactly the policy the
+config describes (Serve's kwargs cross as JSON)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fleetserve.autoscaler.policy import KVCachePolicy, QueueDepthPolicy
+from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
+from fleetserve.deployments.serve_options import deployment_options
+from fleetserve.platform.config import parse_config
+from fleetserve.router.replica.policy import CacheAwarePolicy, CacheAwareThresholds
+from fleetserve.router.replica.serve_adapter import FleetserveRequestRouter
+
+
+def model(**fields):
+    return parse_config({"models": [{"name": "m", "source": "x", **fields}]}).models[0]
+
+
+@pytest.mark.parametrize(("autoscaling", "policy_class"), [
+    ({"policy": "kv_cache", "target_high": 0.6, "max_replicas": 3, "pool": "decode"}, KVCachePolicy),
+    ({"policy": "queue_depth", "target_queue_per_replica": 8, "max_step_up": 4}, QueueDepthPolicy),
+])
+def test_serve_instantiates_the_configured_autoscaling_policy(autoscaling, policy_class):
+    config = model(autoscaling=autoscaling)
+    policy = deployment_options(config)["autoscaling_config"]["policy"]
+    kwargs = json.loads(json.dumps(policy["policy_kwargs"]))  # Serve requires JSON-serializable kwargs
+    adapter = policy["policy_function"](**kwargs)
+    assert isinstance(adapter, ServeAutoscalingPolicy) and isinstance(adapter.policy, policy_class)
+    assert adapter.config == config.autoscaling and adapter.model == "m"
+
+
+def test_ray_default_is_serves_own_policy_with_its_knobs():
+    options = deployment_options(model(autoscaling={"policy": "ray_default", "target_ongoing_requests": 8,
+                                                    "max_replicas": 5}))["autoscaling_config"]
+    assert "policy" not in options
+    assert (options["target_ongoing_requests"], options["max_replicas"], options["upscale_delay_s"]) == (8, 5, 30)
+
+
+def test_serve_instantiates_the_configured_request_router():
+    routing = {"policy": "cache_aware", "cache_threshold": 0.25, "balance_abs_threshold": 4}
+    router_config = deployment_options(model(routing=routing))["request_router_config"]
+    assert router_config["request_router_class"] is FleetserveRequestRouter
+    router = FleetserveRequestRouter.__new__(FleetserveRequestRouter)
+    router.initialize_state(**json.loads(json.dumps(router_config["request_router_kwargs"])))
+    assert isinstance(router.policy, CacheAwarePolicy)
+    # balance_rel_threshold unset: routing:'s default, 1.5.
+    assert router.policy.thresholds == CacheAwareThresholds(4, 1.5, 0.25)
