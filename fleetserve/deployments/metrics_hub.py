@@ -8,10 +8,24 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from dataclasses import dataclass
 
 from ray import serve
 
 from fleetserve.platform.replica_report import ReplicaReport
+
+
+@dataclass(frozen=True)
+class Publication:
+    """What one replica last published."""
+
+    model: str
+    # colocated, prefill or decode.
+    pool: str
+    # time.monotonic() when it arrived; a replica silent for the hub's ttl_s is gone.
+    pushed_at: float
+    # The replica's metrics in Prometheus text format.
+    exposition: bytes
 
 
 class MetricsHub:
@@ -23,20 +37,19 @@ class MetricsHub:
 
     def __init__(self, ttl_s: float = 15.0) -> None:
         self.ttl_s = ttl_s
-        # replica id -> (model, pool, pushed at, exposition)
-        self._latest: dict[str, tuple[str, str, float, bytes]] = {}
+        self._latest: dict[str, Publication] = {}
         # replica id -> its report at its last push (admission control reads them)
         self._reports: dict[str, ReplicaReport] = {}
 
     def _prune(self) -> None:
         horizon = time.monotonic() - self.ttl_s
-        for replica_id in [key for key, entry in self._latest.items() if entry[2] < horizon]:
+        for replica_id in [key for key, entry in self._latest.items() if entry.pushed_at < horizon]:
             del self._latest[replica_id]
             self._reports.pop(replica_id, None)
 
     async def push(self, replica_id: str, model: str, pool: str, exposition: bytes,
                    report: ReplicaReport | None = None) -> None:
-        self._latest[replica_id] = (model, pool, time.monotonic(), exposition)
+        self._latest[replica_id] = Publication(model, pool, time.monotonic(), exposition)
         if report is not None:
             self._reports[replica_id] = report
 
@@ -49,14 +62,14 @@ class MetricsHub:
         self._prune()
         loads: dict[str, list[ReplicaReport]] = {}
         for replica_id, report in self._reports.items():
-            loads.setdefault(self._latest[replica_id][0], []).append(report)
+            loads.setdefault(self._latest[replica_id].model, []).append(report)
         return loads
 
     async def collect(self) -> tuple[list[bytes], dict[tuple[str, str], int]]:
         """Every live replica's exposition, and the number of live replicas per (model, pool)."""
         self._prune()
-        counts = Counter((model, pool) for model, pool, _, _ in self._latest.values())
-        return [entry[3] for entry in self._latest.values()], dict(counts)
+        counts = Counter((entry.model, entry.pool) for entry in self._latest.values())
+        return [entry.exposition for entry in self._latest.values()], dict(counts)
 
 
 @serve.deployment(name="metrics-hub", num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0},

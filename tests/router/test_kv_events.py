@@ -165,14 +165,12 @@ def test_no_block_size_yet_matches_nothing():
 
 
 def test_event_keys_render_chats_with_the_replicas_chat_template():
-    from types import SimpleNamespace
-
-    from fleetserve.platform.api_types import RoutingHints
+    from fleetserve.platform.api_types import ApiRequest, Endpoint, RoutingHints
     from fleetserve.router.replica.serve_adapter import EventKeys
 
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
     messages = [{"role": "user", "content": "hello there"}]
-    request = SimpleNamespace(routing=RoutingHints(messages=messages))
+    request = ApiRequest("req-1", Endpoint.CHAT, b"{}", routing=RoutingHints(messages=messages))
     keys, own = EventKeys("tiny-random-llama", chat_template=template), EventKeys("tiny-random-llama")
     try:
         # Exactly the ids of the template's text, which differ from the model's own (ChatML) rendering.

@@ -18,6 +18,7 @@ from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, R
 
 from fleetserve.router.replica import decisions
 from fleetserve.router.replica.kv_events import KVEventIndex, KVEventSubscriber
+from fleetserve.platform.api_types import ApiRequest, RoutingHints
 from fleetserve.platform.config import RoutingConfig
 from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.router.replica.policy import ReplicaLoad, make_policy
@@ -59,9 +60,14 @@ class RoutingStats:
         return cls(stats.get("kv_cache_usage"), events)
 
 
+def routing_hints(request: Any) -> RoutingHints | None:
+    """The routing hints of a request Serve is routing: an ``ApiRequest``'s, in the process that made it."""
+    return request.routing if isinstance(request, ApiRequest) else None
+
+
 def request_text(request: Any) -> tuple[str, str | None]:
     """The routing key text of an ApiRequest (its prompt, or its messages in order) and its session."""
-    routing = getattr(request, "routing", None)
+    routing = routing_hints(request)
     if routing is None:
         return "", None
     return routing.prefix_text, routing.session_id
@@ -93,7 +99,7 @@ class EventKeys:
     def key(self, request: Any) -> list[int]:
         from fleetserve.platform.engine import chat_token_ids
 
-        routing = getattr(request, "routing", None)
+        routing = routing_hints(request)
         if routing is None:
             return []
         if routing.messages is not None:
@@ -144,7 +150,7 @@ class FleetserveRequestRouter(FIFOMixin, RequestRouter):
         loads = [ReplicaLoad(replica_id, self.outstanding[replica_id], RoutingStats.of(replica).kv_cache_usage)
                  for replica_id, replica in by_id.items()]
         decision = self.policy.choose(text, loads, session_id)
-        decisions.record(getattr(request, "request_id", None), decision)
+        decisions.record(request.request_id if isinstance(request, ApiRequest) else None, decision)
         # If the chosen replica is full, Serve tries the rest, least loaded first.
         rest = sorted((load for load in loads if load.replica_id != decision.replica_id),
                       key=lambda load: (load.num_outstanding, load.replica_id))
