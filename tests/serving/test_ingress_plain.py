@@ -92,6 +92,10 @@ async def test_engine_errors_are_relayed_with_their_status_and_body(client):
     ({"model": 5, "prompt": "x"}, 400, "model", "`model` is required and must be a string"),
     ({"model": "fake", "prompt": "x", "max_tokens": "many"}, 400, "max_tokens", "must be an integer"),
     ({"model": "fake", "prompt": {"a": 1}}, 400, "prompt", "must be a string or a list"),
+    # JSON booleans are not token ids (pydantic's lax mode would read [true, false] as [1, 0]).
+    ({"model": "fake", "prompt": [True, False]}, 400, "prompt", "not booleans"),
+    ({"model": "fake", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "only allowed when `stream` is true"),
 ])
 async def test_bad_input_gets_openai_error(client, body, status, param, message):
     response = await client.post("/v1/completions", json=body)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from fleetserve.deployments.ingress.admission import AdmissionController
@@ -23,6 +24,19 @@ logger = logging.getLogger(__name__)
 LoadSource = Callable[[], Awaitable[dict[str, list[ReplicaReport]]]]
 # Seconds between admission control's reads of the engines' reports.
 LOAD_REFRESH_S = 0.5
+
+
+def effective_max_tokens(fields: RequestFields, limits: LimitsConfig, max_model_len: int | None) -> int | None:
+    """The output budget a request really has: its own; else the platform's ``limits.max_tokens`` (which the
+    ingress then sets on the forwarded request, so the engine obeys it); else what the model's context
+    leaves after the prompt (~4 characters a token), which is what vLLM allows; None when unknown."""
+    if fields.max_tokens is not None:
+        return fields.max_tokens
+    if limits.max_tokens is not None:
+        return limits.max_tokens
+    if max_model_len is not None:
+        return max(0, max_model_len - math.ceil(len(fields.prompt_text) / 4))
+    return None
 
 
 def check_request_limits(fields: RequestFields, limits: LimitsConfig) -> None:

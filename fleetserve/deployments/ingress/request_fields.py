@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from starlette.requests import Request
+
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.platform.api_types import Endpoint, RoutingHints
 
@@ -61,6 +63,21 @@ class RequestFields:
                             self.messages, self.prompt)
 
 
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    """The request's body, counted as it arrives: a chunked body (no Content-Length) is bounded too.
+
+    Raises:
+        APIError: 400 ``request_too_large`` once the body passes ``max_bytes``.
+    """
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(f"request body exceeds {max_bytes} bytes, the limit", 400, code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def parse_body(body: bytes) -> dict[str, Any]:
     """The JSON object of a request body.
 
@@ -107,6 +124,9 @@ def _input_text(value: Any, param: str) -> str | list[int] | None:
         return value
     if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
         return value
+    if isinstance(value, list) and any(isinstance(item, bool) for item in value):
+        # JSON's true/false are not token ids (pydantic would coerce them to 1 and 0).
+        raise APIError(f"`{param}` must be text or a list of integer token ids, not booleans", 400, param=param)
     if isinstance(value, list):
         texts = []
         for item in value:
@@ -150,5 +170,8 @@ def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
         prompt = _input_text(payload.get("prompt"), "prompt")
     elif endpoint in (Endpoint.RESPONSES, Endpoint.EMBEDDINGS, Endpoint.POOLING):
         prompt = _input_text(payload.get("input"), "input")
-    return RequestFields(model, payload, messages, prompt, _max_tokens(endpoint, payload),
-                         payload.get("stream") is True)
+    stream = payload.get("stream") is True
+    if payload.get("stream_options") is not None and not stream:
+        # OpenAI's rule: stream options only mean something on a stream.
+        raise APIError("`stream_options` is only allowed when `stream` is true", 400, param="stream_options")
+    return RequestFields(model, payload, messages, prompt, _max_tokens(endpoint, payload), stream)

@@ -120,6 +120,10 @@ class TokenBucket:
     def take(self, amount: float) -> None:
         self.level -= amount
 
+    def give_back(self, amount: float, now: float) -> None:
+        self._refill(now)
+        self.level = min(self.capacity, self.level + amount)
+
 
 class RateLimiter:
     """Per-tenant request and token budgets per minute (token buckets holding a minute's worth)."""
@@ -134,6 +138,16 @@ class RateLimiter:
         if key not in self._buckets:
             self._buckets[key] = TokenBucket(per_minute, per_minute / SECONDS_PER_MINUTE, self.clock())
         return self._buckets[key]
+
+    def refund(self, tenant: str, num_tokens: int) -> None:
+        """Gives back what ``admit`` charged, for a request the platform then refused or failed."""
+        spec = self.tenants.get(tenant)
+        if spec is None:
+            return
+        for kind, limit, amount in (("requests", spec.requests_per_minute, 1),
+                                    ("tokens", spec.tokens_per_minute, num_tokens)):
+            if limit is not None:
+                self._bucket(tenant, kind, limit).give_back(amount, self.clock())
 
     def admit(self, tenant: str, num_tokens: int) -> None:
         """Charges one request and ``num_tokens`` to the tenant, or charges nothing and raises.

@@ -36,9 +36,9 @@ from fleetserve.deployments.ingress.protocol import (
     APIError,
     new_id,
 )
-from fleetserve.deployments.ingress.limits import LoadSource, WorkLimits, check_request_limits
+from fleetserve.deployments.ingress.limits import LoadSource, WorkLimits, check_request_limits, effective_max_tokens
 from fleetserve.deployments.ingress.model_clients import HandleModelClient, ModelClient
-from fleetserve.deployments.ingress.request_fields import RequestFields, parse_body, read_fields
+from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
 from fleetserve.deployments.ingress.streaming import EventStreamResponse, as_api_error, error_response, relay_stream
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
@@ -130,16 +130,6 @@ class OpenAIIngress:
             return error_response(APIError(message, error.status_code, kind))
 
         @app.middleware("http")
-        async def count_requests(request: Request, call_next):
-            response = await call_next(request)
-            # The matched route's template, not the URL: under a Serve route prefix the URL carries it too.
-            route = getattr(request.scope.get("route"), "path", None)
-            if route in FORWARDED_ROUTES:
-                model = getattr(request.state, "model", None) or "unknown"
-                self.platform_metrics.requests.labels(route, model, str(response.status_code)).inc()
-            return response
-
-        @app.middleware("http")
         async def limit_body(request: Request, call_next):
             length = request.headers.get("content-length")
             if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
@@ -157,6 +147,19 @@ class OpenAIIngress:
                 except APIError as error:
                     return error_response(error)
             return await call_next(request)
+
+        # Added last, so outermost: a 401 or an oversized body, refused before routing, is counted too.
+        @app.middleware("http")
+        async def count_requests(request: Request, call_next):
+            response = await call_next(request)
+            # The matched route's template, not the URL: under a Serve route prefix the URL carries it too.
+            # A request refused before routing has none: its path's forwarded route, then.
+            route = getattr(request.scope.get("route"), "path", None) or next(
+                (path for path in FORWARDED_ROUTES if request.url.path.endswith(path)), None)
+            if route in FORWARDED_ROUTES:
+                model = getattr(request.state, "model", None) or "unknown"
+                self.platform_metrics.requests.labels(route, model, str(response.status_code)).inc()
+            return response
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -194,17 +197,31 @@ class OpenAIIngress:
 
     def _endpoint_handler(self, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
         async def handler(raw: Request) -> Response:
-            body = await raw.body()
+            body = await read_body(raw, self.limits.max_body_bytes)
             fields = read_fields(endpoint, parse_body(body))
             raw.state.model = fields.model if self._known(fields.model) else None
-            self._admit(raw, fields)
-            return await self.serve_request(endpoint, fields, body, raw.headers.get(HEADER_SESSION))
+            charge = self._admit(raw, fields)
+            try:
+                response = await self.serve_request(endpoint, fields, body, raw.headers.get(HEADER_SESSION))
+            except APIError:
+                self._refund(charge)
+                raise
+            if response.status_code >= 400:
+                self._refund(charge)  # refused by the engine (e.g. past the context) or failed: no work done
+            return response
 
         return handler
 
-    def _admit(self, raw: Request, fields: RequestFields) -> None:
+    def _refund(self, charge: tuple[str, int] | None) -> None:
+        if charge is not None:
+            self.front_door.limiter.refund(*charge)
+
+    def _admit(self, raw: Request, fields: RequestFields) -> tuple[str, int] | None:
         """Checks request limits, then (with auth on) that the model is the caller's to use, and charges
-        the caller's rate limits.
+        the caller's rate limits with the request's effective output budget.
+
+        Returns:
+            The charge (tenant, tokens), to refund if the request is refused later; None without auth.
 
         Raises:
             APIError: 400 (a limit), 403 (model not allowed), 429 (rate limit, with Retry-After).
@@ -212,12 +229,16 @@ class OpenAIIngress:
         check_request_limits(fields, self.limits)
         principal = getattr(raw.state, "principal", None)
         if principal is None:
-            return
+            return None
         if self._known(fields.model):
             self.front_door.check_model(principal, fields.model)
         else:
             self._client(fields.model)  # a 404 naming the models, as without auth
-        self.front_door.limiter.admit(principal.tenant, estimated_tokens(fields.prompt_text, fields.max_tokens))
+        config = self.models.get(fields.model)
+        budget = effective_max_tokens(fields, self.limits, config.engine_args.max_model_len if config else None)
+        tokens = estimated_tokens(fields.prompt_text, budget)
+        self.front_door.limiter.admit(principal.tenant, tokens)
+        return principal.tenant, tokens
 
     async def metrics_exposition(self) -> bytes:
         """The ingress's fleetserve_* metrics plus every live engine replica's vllm:* metrics."""
@@ -258,17 +279,20 @@ class OpenAIIngress:
                            404, "not_found_error", param="model", code="model_not_found")
         return client
 
-    @staticmethod
-    def _forwarded_body(endpoint: Endpoint, fields: RequestFields, model: str, body: bytes) -> tuple[bytes, bool]:
+    def _forwarded_body(self, endpoint: Endpoint, fields: RequestFields, model: str, body: bytes) -> tuple[bytes, bool]:
         """The body to forward, and whether the replica should drop a usage event the ingress asked for.
 
-        The body goes as the client sent it, except that a routed name becomes the chosen model and a chat
+        The body goes as the client sent it, except that a routed name becomes the chosen model, a request
+        without an output budget gets the platform's ``limits.max_tokens`` (so the limit holds), and a chat
         or completions stream asks for its usage (for cost accounting; the replica strips it again). vLLM's
         --enable-force-include-usage would also put usage on every chunk the client gets.
         """
         payload = fields.payload
         changed = model != fields.model
         strip_usage = False
+        if fields.max_tokens is None and self.limits.max_tokens is not None and endpoint in MAX_TOKENS_FIELDS:
+            payload = {**payload, MAX_TOKENS_FIELDS[endpoint][0]: self.limits.max_tokens}
+            changed = True
         if fields.stream and endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
             options = payload.get("stream_options")
             if not (isinstance(options, dict) and options.get("include_usage")):
