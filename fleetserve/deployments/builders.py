@@ -54,9 +54,9 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
             model, bindings[deployment_name(model)], model_path, hub, engine_cls)
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
     prefill_app = PrefillDeployment.options(**deployment_options(prefill)).bind(
-        model, bindings[deployment_name(prefill)], model_path, hub)
+        model, bindings[deployment_name(prefill)], model_path, hub, engine_cls)
     return DecodeDeployment.options(**deployment_options(decode)).bind(
-        model, bindings[deployment_name(decode)], model_path, hub, prefill_app)
+        model, bindings[deployment_name(decode)], model_path, hub, prefill_app, engine_cls)
 
 
 def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: type[Engine] = Engine) -> Application:
@@ -67,7 +67,8 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
         config: the platform config.
         resolve_locally: resolve (and convert) model sources here, once, and hand replicas the
             folder; False lets each replica resolve its own source (multi-node clusters).
-        engine_cls: the colocated replicas' engine (``InstantEngine`` measures the serving path alone).
+        engine_cls: every replica's engine class (``InstantEngine`` measures the serving path alone;
+            tests inject fakes).
     """
     bindings = cpu_bindings_per_deployment(config)
     hub = MetricsHubDeployment.bind()

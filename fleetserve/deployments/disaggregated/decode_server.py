@@ -32,7 +32,7 @@ from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.ingress.request_fields import read_fields
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead, RoutingHints
 from fleetserve.platform.config import ModelConfig
-from fleetserve.platform.engine import EngineRequestError
+from fleetserve.platform.engine import Engine, EngineRequestError
 from fleetserve.platform.kv_transfer import KVTransferSpec
 
 logger = logging.getLogger(__name__)
@@ -195,9 +195,10 @@ class DecodeDeployment(KVTransferReplica, DecodeServer):
     """Ray Serve replica of a decode server; the ingress reaches it as the model's engine deployment."""
 
     def __init__(self, model: ModelConfig, cpu_bindings: list[str] | None = None,
-                 model_path: str | None = None, metrics_hub: Any = None, prefill: Any = None) -> None:
+                 model_path: str | None = None, metrics_hub: Any = None, prefill: Any = None,
+                 engine_cls: type[Engine] = Engine) -> None:
         config = model.pool_model("decode")
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, prefill_client=HandlePrefillClient(prefill), kv_transfer=self._kv_transfer(config),
-                         replica_id=replica_id, cpu_binding=binding, model_path=model_path)
+                         replica_id=replica_id, cpu_binding=binding, model_path=model_path, engine_cls=engine_cls)
         self._start_replica_tasks(metrics_hub)
