@@ -54,15 +54,22 @@ def format_errors(error: ValidationError, what: str) -> str:
 SectionT = TypeVar("SectionT", bound=BaseModel)
 
 
-def parse_section(section: type[SectionT], data: Any, origin: str) -> SectionT:
-    """Validates one config section on its own (an ``autoscaling:`` block read by the simulator).
+def parse_section(section: type[SectionT], data: Any, origin: str, what: str | None = None,
+                  expected: str = "a mapping") -> SectionT:
+    """Validates one config section on its own (an ``autoscaling:`` block read by the simulator), or a
+    whole config.
+
+    Args:
+        what: how errors name the section; its class name by default.
+        expected: what a non-mapping should have been, for the error.
 
     Raises:
         ConfigError: naming every offending key.
     """
+    label = f"{what or section.__name__} ({origin})"
     if not isinstance(data, dict):
-        raise ConfigError(f"invalid {section.__name__} ({origin}): expected a mapping")
+        raise ConfigError(f"invalid {label}: expected {expected}")
     try:
         return section.model_validate(data)
     except ValidationError as error:
-        raise ConfigError(format_errors(error, f"{section.__name__} ({origin})")) from None
+        raise ConfigError(format_errors(error, label)) from None

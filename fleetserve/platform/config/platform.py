@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, model_validator
 
-from fleetserve.platform.config.base import ConfigError, Strict, format_errors
+from fleetserve.platform.config.base import ConfigError, Strict, parse_section
 from fleetserve.platform.config.front_door import AuthConfig, LimitsConfig, ServerConfig
 from fleetserve.platform.config.model import ModelConfig
 from fleetserve.platform.config.routing import ModelRoutingConfig
@@ -97,12 +97,7 @@ def parse_config(data: Any, origin: str = "<dict>") -> PlatformConfig:
     Raises:
         ConfigError: naming every offending key.
     """
-    if not isinstance(data, dict):
-        raise ConfigError(f"invalid platform config ({origin}): expected a mapping with a 'models' list")
-    try:
-        return PlatformConfig.model_validate(data)
-    except ValidationError as error:
-        raise ConfigError(format_errors(error, f"platform config ({origin})")) from None
+    return parse_section(PlatformConfig, data, origin, "platform config", "a mapping with a 'models' list")
 
 
 def load_config(path: str | Path) -> PlatformConfig:
