@@ -12,7 +12,7 @@ from fleetserve.deployments.disaggregated.prefill_server import PrefillDeploymen
 from fleetserve.deployments.engine_server import EngineDeployment
 from fleetserve.deployments.ingress.server import IngressDeployment
 from fleetserve.deployments.metrics_hub import MetricsHubDeployment
-from fleetserve.deployments.serve_options import deployment_name, deployment_options
+from fleetserve.deployments.serve_options import deployment_name, deployment_options, ingress_options
 from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, parse_config
 from fleetserve.platform.engine import Engine, plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source
@@ -77,8 +77,9 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
         model_path = str(resolve_source(model.source)) if resolve_locally else None
         engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls)
     # Configs cross .bind() as the validated objects themselves (Ray pickles them), not re-validated dicts.
-    return IngressDeployment.bind(engines, hub, {model.name: model for model in config.models}, config.model_routing,
-                                  config.auth, config.limits)
+    ingress = IngressDeployment.options(**ingress_options(config.limits))
+    return ingress.bind(engines, hub, {model.name: model for model in config.models}, config.model_routing,
+                        config.auth, config.limits)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
-from fleetserve.platform.config import AutoscalingConfig, ModelConfig, RoutingConfig
+from fleetserve.platform.config import AutoscalingConfig, LimitsConfig, ModelConfig, RoutingConfig
 from fleetserve.router.replica.serve_adapter import FleetserveRequestRouter
 
 # Engines take tens of seconds to load; Serve's default health period is too eager.
@@ -51,6 +51,13 @@ def request_router_config(routing: RoutingConfig) -> dict[str, Any] | None:
         "request_router_kwargs": {"routing": routing.model_dump()},
         "request_routing_stats_period_s": routing.stats_period_s,
     }
+
+
+def ingress_options(limits: LimitsConfig) -> dict[str, Any]:
+    """The ingress deployment's Serve options: how much it holds, and a bounded queue in front of it."""
+    return {"max_ongoing_requests": limits.ingress_max_ongoing_requests,
+            "max_queued_requests": limits.ingress_max_queued_requests,
+            "backpressure_config": {"status_code": 503, "retry_after_s": limits.ingress_retry_after_s}}
 
 
 def deployment_options(model: ModelConfig) -> dict[str, Any]:

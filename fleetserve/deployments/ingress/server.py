@@ -388,7 +388,8 @@ class OpenAIIngress:
             self.work.unstarted[model] -= 1
 
 
-@serve.deployment(name="ingress", max_ongoing_requests=4096, ray_actor_options={"num_cpus": 0})
+# Its limits come from serve_options.ingress_options (limits: in the platform config).
+@serve.deployment(name="ingress", ray_actor_options={"num_cpus": 0})
 @serve.ingress()
 class IngressDeployment(OpenAIIngress):
     """Ray Serve replica of the ingress; each model is reached through its engine deployment's handle."""

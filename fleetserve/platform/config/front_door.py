@@ -20,8 +20,15 @@ class ServerConfig(Strict):
 class LimitsConfig(Strict):
     """Request limits and overload protection, enforced by the ingress before any engine work."""
 
-    # Largest request body in bytes (by Content-Length); larger requests get a 400.
+    # Largest request body in bytes (by Content-Length, and counted as it streams); larger ones get a 400.
     max_body_bytes: int = Field(default=4 * MiB, gt=0)
+    # Requests one ingress replica holds at once (each waits on an engine or streams from one).
+    ingress_max_ongoing_requests: int = Field(default=4096, gt=0)
+    # Requests Serve's proxy may queue for the ingress once every ingress replica holds its most; beyond it,
+    # the proxy answers 503 with Retry-After (Serve's plain-text body) instead of queueing without bound.
+    ingress_max_queued_requests: int = Field(default=1024, gt=0)
+    # The Retry-After those 503s carry, in seconds.
+    ingress_retry_after_s: int = Field(default=1, ge=0)
     # Most messages in one chat request.
     max_messages: int = Field(default=512, gt=0)
     # Largest max_tokens a request may ask for; None leaves it to each model's context length.
