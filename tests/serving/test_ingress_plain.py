@@ -94,6 +94,7 @@ async def test_engine_errors_are_relayed_with_their_status_and_body(client):
     ({"model": "fake", "prompt": {"a": 1}}, 400, "prompt", "must be a string or a list"),
     # JSON booleans are not token ids (pydantic's lax mode would read [true, false] as [1, 0]).
     ({"model": "fake", "prompt": [True, False]}, 400, "prompt", "not booleans"),
+    ({"model": "fake", "prompt": [[3, True]]}, 400, "prompt", "not booleans"),
     ({"model": "fake", "prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options",
      "only allowed when `stream` is true"),
 ])

@@ -124,7 +124,8 @@ def _input_text(value: Any, param: str) -> str | list[int] | None:
         return value
     if isinstance(value, list) and all(isinstance(item, int) and not isinstance(item, bool) for item in value):
         return value
-    if isinstance(value, list) and any(isinstance(item, bool) for item in value):
+    if isinstance(value, list) and any(isinstance(item, bool) or (isinstance(item, list) and any(
+            isinstance(token, bool) for token in item)) for item in value):
         # JSON's true/false are not token ids (pydantic would coerce them to 1 and 0).
         raise APIError(f"`{param}` must be text or a list of integer token ids, not booleans", 400, param=param)
     if isinstance(value, list):
