@@ -46,6 +46,18 @@ class AdmissionDecision:
     in_flight_bound: int | None
     # Seconds the caller should wait before retrying; None when admitted.
     retry_after_s: int | None = None
+    # Set when refused for the tenant's fair share: the queue places that share is.
+    tenant_share: int | None = None
+
+
+@dataclass(frozen=True)
+class TenantQueue:
+    """One tenant's place in a model's admission queue at this ingress."""
+
+    # Its requests admitted here that have no first token yet.
+    num_unstarted: int
+    # Its weight over the sum of all tenants' weights, 0-1.
+    share: float
 
 
 class AdmissionController:
@@ -90,13 +102,15 @@ class AdmissionController:
     def _serving(self) -> list[ReplicaReport]:
         return [load for load in self.loads if load.pool in ("colocated", "decode")]
 
-    def decide(self, num_in_flight: int, num_unstarted: int | None = None) -> AdmissionDecision:
+    def decide(self, num_in_flight: int, num_unstarted: int | None = None,
+               tenant: TenantQueue | None = None) -> AdmissionDecision:
         """Whether one more request may join those this ingress already holds.
 
         Args:
             num_in_flight: requests admitted here and not finished.
             num_unstarted: those of them without a first token yet (queued, or being prefilled);
                 None: all of them.
+            tenant: the caller's place in the queue, for weighted fair shares; None: no tenants.
         """
         limits = self.limits
         in_flight = num_in_flight + 1
@@ -123,16 +137,31 @@ class AdmissionController:
         queued = max(waiting + 1, unstarted - headroom, in_flight - slots)
         rate = self.completion_rate()
         allowance = max(limits.min_queued_per_replica * num_replicas, math.floor(rate * limits.max_queue_wait_s))
-        if queued <= allowance:
+        if queued <= allowance and not self._over_share(tenant, queued, allowance):
             return AdmissionDecision(True, queued, allowance, in_flight, bound)
+        if queued <= allowance:
+            # Refused for its share: retry once about its own excess has drained.
+            share = math.floor(tenant.share * allowance)
+            retry = math.ceil((tenant.num_unstarted + 1 - share) / rate) if rate > 0 else MIN_RETRY_AFTER_S
+            return AdmissionDecision(False, queued, allowance, in_flight, bound,
+                                     min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)), share)
         excess = queued - allowance
         retry = math.ceil(excess / rate) if rate > 0 else MIN_RETRY_AFTER_S
         return AdmissionDecision(False, queued, allowance, in_flight, bound,
                                  min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)))
 
+    def _over_share(self, tenant: TenantQueue | None, queued: int, allowance: int) -> bool:
+        """A tenant joining a queue filled past ``fair_share_from`` beyond its weighted share of it."""
+        if tenant is None or queued <= self.limits.fair_share_from * allowance:
+            return False
+        return tenant.num_unstarted + 1 > math.floor(tenant.share * allowance)
+
     def refusal(self, model: str, decision: AdmissionDecision) -> APIError:
         """The 503 ``overloaded`` error, with its Retry-After header, for a refused request."""
-        if decision.queue_allowance is None:
+        if decision.tenant_share is not None:
+            detail = (f"your tenant holds its share of the queue, {decision.tenant_share} of "
+                      f"{decision.queue_allowance} places, while others wait")
+        elif decision.queue_allowance is None:
             detail = f"{decision.in_flight_bound} requests in flight"
         else:
             detail = (f"{decision.num_queued} requests queued; its engines drain about "

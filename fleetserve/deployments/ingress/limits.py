@@ -9,9 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import contextmanager
 
-from fleetserve.deployments.ingress.admission import AdmissionController
+from fleetserve.deployments.ingress.admission import AdmissionController, TenantQueue
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.ingress.request_fields import RequestFields
@@ -75,8 +77,10 @@ class WorkLimits:
         self.platform_metrics = metrics
         # Requests admitted and not yet finished, per served model.
         self.in_flight: dict[str, int] = {name: 0 for name in models}
-        # Of those, the requests still waiting for their first token (queued or being prefilled).
+        # Of those, the requests still waiting for their first token (queued or being prefilled), in all and
+        # per (model, tenant).
         self.unstarted: dict[str, int] = {name: 0 for name in models}
+        self.unstarted_by_tenant: Counter[tuple[str, str]] = Counter()
         self.admission = {name: AdmissionController(configs.get(name), limits) for name in models}
         self.load_source = load_source
         self._load_refresher: asyncio.Task | None = None
@@ -92,8 +96,21 @@ class WorkLimits:
                 logger.warning("reading engine load for admission control failed; retrying", exc_info=True)
             await asyncio.sleep(LOAD_REFRESH_S)
 
-    def admit(self, model: str) -> None:
-        """Admission control for one request to ``model``.
+    @contextmanager
+    def waiting(self, model: str, tenant: str | None) -> Iterator[None]:
+        """Counts a request as unstarted (for the model, and for its tenant) until its first chunk."""
+        self.unstarted[model] += 1
+        if tenant is not None:
+            self.unstarted_by_tenant[model, tenant] += 1
+        try:
+            yield
+        finally:
+            self.unstarted[model] -= 1
+            if tenant is not None:
+                self.unstarted_by_tenant[model, tenant] -= 1
+
+    def admit(self, model: str, tenant: str | None = None, share: float | None = None) -> None:
+        """Admission control for one request to ``model``, from ``tenant`` with its weighted ``share``.
 
         Raises:
             APIError: 503 ``overloaded`` with Retry-After.
@@ -101,10 +118,13 @@ class WorkLimits:
         if self.load_source is not None and self._load_refresher is None:
             self._load_refresher = asyncio.get_running_loop().create_task(self._refresh_loads())
         controller = self.admission[model]
-        decision = controller.decide(self.in_flight[model], self.unstarted[model])
+        queue = (TenantQueue(self.unstarted_by_tenant[model, tenant], share)
+                 if tenant is not None and share is not None else None)
+        decision = controller.decide(self.in_flight[model], self.unstarted[model], queue)
         if not decision.admitted:
-            self.platform_metrics.rejections.labels(
-                model, "queue" if decision.queue_allowance is not None else "in_flight").inc()
+            bound = ("share" if decision.tenant_share is not None else
+                     "queue" if decision.queue_allowance is not None else "in_flight")
+            self.platform_metrics.rejections.labels(model, bound).inc()
             raise controller.refusal(model, decision)
         if decision.queue_allowance is not None:
             self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)

@@ -195,6 +195,11 @@ class FrontDoor:
         self.keys = KeyStore(auth)
         self.limiter = RateLimiter(self.keys.tenants, clock)
 
+    def share(self, tenant: str) -> float:
+        """The tenant's weighted share of a model's admission queue: its weight over all tenants' weights."""
+        tenants = self.limiter.tenants
+        return tenants[tenant].weight / sum(spec.weight for spec in tenants.values()) if tenant in tenants else 1.0
+
     def authenticate(self, authorization: str | None) -> Principal:
         return self.keys.authenticate(authorization)
 

@@ -202,7 +202,9 @@ class OpenAIIngress:
             raw.state.model = fields.model if self._known(fields.model) else None
             charge = self._admit(raw, fields)
             try:
-                response = await self.serve_request(endpoint, fields, body, raw.headers.get(HEADER_SESSION))
+                principal = getattr(raw.state, "principal", None)
+                response = await self.serve_request(endpoint, fields, body, raw.headers.get(HEADER_SESSION),
+                                                    principal.tenant if principal is not None else None)
             except APIError:
                 self._refund(charge)
                 raise
@@ -304,8 +306,12 @@ class OpenAIIngress:
         return json.dumps({**payload, "model": model}).encode(), strip_usage
 
     async def serve_request(self, endpoint: Endpoint, fields: RequestFields, body: bytes,
-                            session_id: str | None = None) -> Response:
-        """Runs one API request on the model's engines; returns vLLM's response, streamed or whole."""
+                            session_id: str | None = None, tenant: str | None = None) -> Response:
+        """Runs one API request on the model's engines; returns vLLM's response, streamed or whole.
+
+        Args:
+            tenant: the caller's tenant (auth on), for its fair share of the admission queue.
+        """
         received_at = time.time()
         choice = None
         if fields.model not in self.clients and self.routes is not None and self.routes.is_routed(fields.model):
@@ -316,8 +322,9 @@ class OpenAIIngress:
         forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body)
         request = ApiRequest(request_id, endpoint, forwarded, strip_usage, fields.routing_hints(session_id))
         if endpoint.generates:
-            self.work.admit(model)
-        stream, first = await self._start(model, client, request)
+            share = self.front_door.share(tenant) if tenant is not None else None
+            self.work.admit(model, tenant, share)
+        stream, first = await self._start(model, client, request, tenant)
         head = first.head
         headers = {HEADER_MODEL: model, HEADER_REPLICA: head.replica_id, HEADER_POOL: self._pool_of(model),
                    HEADER_REQUEST_ID: request_id}
@@ -359,8 +366,8 @@ class OpenAIIngress:
             saved = strongest.request_cost(usage.num_prompt_tokens, usage.num_completion_tokens) - cost
             self.platform_metrics.route_cost_saved.labels(choice.route).inc(max(0.0, saved))
 
-    async def _start(self, model: str, client: ModelClient,
-                     request: ApiRequest) -> tuple[AsyncIterator[ReplicaChunk], ReplicaChunk]:
+    async def _start(self, model: str, client: ModelClient, request: ApiRequest,
+                     tenant: str | None = None) -> tuple[AsyncIterator[ReplicaChunk], ReplicaChunk]:
         """Sends the request to an engine and waits for its first chunk, sending it again (Serve picks a
         live replica) when the replica fails before streaming anything.
 
@@ -368,8 +375,7 @@ class OpenAIIngress:
             APIError: the engine's error, or 503 once the retries are spent.
         """
         num_retries = 0
-        self.work.unstarted[model] += 1
-        try:
+        with self.work.waiting(model, tenant):
             while True:
                 stream = self.work.guarded(model, client.forward(request))
                 try:
@@ -384,8 +390,6 @@ class OpenAIIngress:
                 logger.warning("%s: replica failed before streaming (%s); sending it again (retry %d)",
                                request.request_id, api_error.message, num_retries)
                 self.platform_metrics.engine_retries.labels(model).inc()
-        finally:
-            self.work.unstarted[model] -= 1
 
 
 # Its limits come from serve_options.ingress_options (limits: in the platform config).

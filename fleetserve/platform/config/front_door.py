@@ -42,6 +42,9 @@ class LimitsConfig(Strict):
     # way) would drain within this many seconds at the rate its engines finish requests; beyond it, 503
     # with a Retry-After. None: only max_in_flight_per_replica bounds admission.
     max_queue_wait_s: float | None = Field(default=60.0, gt=0)
+    # Queue fill (share of the queue bound) beyond which a tenant past its weighted share of the queue is
+    # refused (503), so one tenant's flood cannot take the whole queue; below it any tenant may queue.
+    fair_share_from: float = Field(default=0.5, ge=0, le=1)
     # Queue allowed per serving replica however slowly the engines finish (and before they have finished any).
     min_queued_per_replica: int = Field(default=128, gt=0)
     # Times a request is sent again when its replica fails (dies, restarts) before streaming anything;
@@ -61,6 +64,8 @@ class TenantConfig(Strict):
     requests_per_minute: float | None = Field(default=None, gt=0)
     # Tokens per minute, charged at admission as the prompt's estimated tokens plus max_tokens; None: unlimited.
     tokens_per_minute: float | None = Field(default=None, gt=0)
+    # Share of each model's admission queue under overload: this weight over the sum of all tenants' weights.
+    weight: float = Field(default=1.0, gt=0)
 
 
 class APIKeyConfig(Strict):

@@ -1,0 +1,76 @@
+"""Weighted fair shares of the admission queue: one tenant's flood cannot take the whole queue, so a light
+tenant is still admitted. On a fake engine whose first token takes 2 s, so every admitted request stays
+queued while the rest arrive; the arithmetic of each admission is in the comments."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+
+from fleetserve.deployments.engine_server import EngineServer
+from fleetserve.deployments.ingress.model_clients import LocalModelClient
+from fleetserve.deployments.ingress.security import FrontDoor, hash_key
+from fleetserve.deployments.ingress.server import OpenAIIngress
+from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig
+from fleetserve.platform.replica_report import ReplicaReport
+
+KEYS = {"heavy": "sk-heavy-0001", "light": "sk-light-0002"}
+
+
+def flooded_ingress(engine_cls, **weights: float) -> OpenAIIngress:
+    class SlowStart(engine_cls):
+        first_token_s = 2.0
+
+    # One sequence per step: the engine's only free slot is the one headroom place.
+    model = ModelConfig(name="fake", source="unused", engine_args={"max_num_seqs": 1})
+    server = EngineServer(model, engine_cls=SlowStart, model_path="/unused")
+    auth = AuthConfig.model_validate({
+        "tenants": {name: {"weight": weights.get(name, 1.0)} for name in KEYS},
+        "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]})
+    # A queue of 8 (min_queued_per_replica with 1 replica and no completions yet); shares apply past half of it.
+    app = OpenAIIngress({"fake": LocalModelClient(server)}, models={"fake": model}, front_door=FrontDoor(auth),
+                        limits=LimitsConfig(min_queued_per_replica=8, fair_share_from=0.5))
+    app.work.admission["fake"].observe([ReplicaReport(replica_id="r0")])  # one idle replica reporting
+    return app
+
+
+async def flood(app: OpenAIIngress, requests: list[str]) -> dict[str, list[int]]:
+    """Sends each tenant's request in order, each once the previous one is admitted or refused."""
+    body = {"model": "fake", "prompt": "x", "max_tokens": 1}
+    statuses: dict[str, list[int]] = {name: [] for name in KEYS}
+    transport = httpx.ASGITransport(app=app.build_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as http:
+        async def send(tenant: str) -> None:
+            response = await http.post("/v1/completions", json=body,
+                                       headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+            statuses[tenant].append(response.status_code)
+
+        tasks = []
+        for tenant in requests:
+            tasks.append(asyncio.ensure_future(send(tenant)))
+            await asyncio.sleep(0.02)  # admitted (now waiting on its first token) or refused by now
+        await asyncio.gather(*tasks)
+    return statuses
+
+
+async def test_a_flood_takes_its_share_and_a_light_tenant_still_gets_in(fake_engine_cls):
+    app = flooded_ingress(fake_engine_cls)
+    statuses = await flood(app, ["heavy"] * 20 + ["light"] * 5)
+    # The k-th request makes k waiting, less the engine's one free slot: queued = k - 1 (at least 1). Up to
+    # half the queue (4) anyone is admitted, so heavy's first 5 are; its 6th (queued 5 > 4) would make 6 of
+    # its own against a share of floor(0.5 x 8) = 4: refused, as are the other 14.
+    assert sorted(statuses["heavy"]) == [200] * 5 + [503] * 15
+    # light's j-th makes queued 4 + j, past half: its 1st-4th hold 1-4 of its share of 4, and its 5th finds
+    # the queue full (9 > 8). Without shares, heavy would have taken all 8 places and light none.
+    assert sorted(statuses["light"]) == [200] * 4 + [503]
+
+
+async def test_weights_split_the_queue(fake_engine_cls):
+    app = flooded_ingress(fake_engine_cls, heavy=3.0)
+    statuses = await flood(app, ["heavy"] * 20 + ["light"] * 5)
+    # heavy's share is 3/4 of 8 = 6 places: its first 5 freely, its 6th (queued 5) holds 6 of 6, its 7th
+    # is refused. light's share is floor(1/4 x 8) = 2: its j-th makes queued 5 + j; its 1st and 2nd hold
+    # 1 and 2 of 2, its 3rd would be a 3rd.
+    assert sorted(statuses["heavy"]) == [200] * 6 + [503] * 14
+    assert sorted(statuses["light"]) == [200] * 2 + [503] * 3
