@@ -74,3 +74,42 @@ async def test_weights_split_the_queue(fake_engine_cls):
     # 1 and 2 of 2, its 3rd would be a 3rd.
     assert sorted(statuses["heavy"]) == [200] * 6 + [503] * 14
     assert sorted(statuses["light"]) == [200] * 2 + [503] * 3
+
+
+def classed_ingress(engine_cls, scheduling_policy: str | None = None) -> tuple[OpenAIIngress, EngineServer]:
+    class SlowStart(engine_cls):
+        first_token_s = 2.0
+
+    extra = {"scheduling_policy": scheduling_policy} if scheduling_policy else {}
+    model = ModelConfig(name="fake", source="unused", engine_args={"max_num_seqs": 1, "extra": extra})
+    server = EngineServer(model, engine_cls=SlowStart, model_path="/unused")
+    auth = AuthConfig.model_validate({
+        "tenants": {"heavy": {"weight": 3.0, "priority": "batch"}, "light": {}},
+        "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]})
+    app = OpenAIIngress({"fake": LocalModelClient(server)}, models={"fake": model}, front_door=FrontDoor(auth),
+                        limits=LimitsConfig(min_queued_per_replica=8, fair_share_from=0.5))
+    app.work.admission["fake"].observe([ReplicaReport(replica_id="r0")])
+    return app, server
+
+
+async def test_batch_work_leaves_the_upper_half_of_the_queue_to_interactive_work(fake_engine_cls):
+    app, server = classed_ingress(fake_engine_cls)
+    statuses = await flood(app, ["heavy"] * 20 + ["light"] * 5)
+    # heavy is batch: up to half the queue (queued <= 4) it is admitted, 5 requests, though its weight (3 of
+    # 4) would allow 6. light (share floor(1/4 x 8) = 2) makes queued 5 + j: 2 admitted, then its share.
+    assert sorted(statuses["heavy"]) == [200] * 5 + [503] * 15
+    assert sorted(statuses["light"]) == [200] * 2 + [503] * 3
+    # The engine does not schedule by priority: no priority is forwarded (vLLM would refuse one).
+    assert all("priority" not in body for body in server.engine.bodies)
+
+
+async def test_on_a_priority_scheduled_engine_the_platform_sets_each_requests_priority(fake_engine_cls):
+    app, server = classed_ingress(fake_engine_cls, scheduling_policy="priority")
+    body = {"model": "fake", "prompt": "x", "max_tokens": 1, "priority": -5}  # a caller cannot jump the queue
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app.build_app()), base_url="http://test",
+                                 timeout=30) as http:
+        for tenant in ("heavy", "light"):
+            reply = await http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+            assert reply.status_code == 200
+    # batch runs after interactive: vLLM's priority 1 and 0 (lower first).
+    assert [body["priority"] for body in server.engine.bodies] == [1, 0]

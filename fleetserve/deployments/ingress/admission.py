@@ -48,6 +48,8 @@ class AdmissionDecision:
     retry_after_s: int | None = None
     # Set when refused for the tenant's fair share: the queue places that share is.
     tenant_share: int | None = None
+    # Set when a batch request was refused: the queue places batch work may fill.
+    batch_places: int | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class TenantQueue:
     num_unstarted: int
     # Its weight over the sum of all tenants' weights, 0-1.
     share: float
+    # A batch tenant's requests may fill only limits.fair_share_from of the queue.
+    batch: bool = False
 
 
 class AdmissionController:
@@ -137,6 +141,12 @@ class AdmissionController:
         queued = max(waiting + 1, unstarted - headroom, in_flight - slots)
         rate = self.completion_rate()
         allowance = max(limits.min_queued_per_replica * num_replicas, math.floor(rate * limits.max_queue_wait_s))
+        if tenant is not None and tenant.batch and queued > self.limits.fair_share_from * allowance:
+            # The rest of the queue is interactive work's; a batch caller retries once its part has room.
+            places = math.floor(self.limits.fair_share_from * allowance)
+            retry = math.ceil((queued - places) / rate) if rate > 0 else MIN_RETRY_AFTER_S
+            return AdmissionDecision(False, queued, allowance, in_flight, bound,
+                                     min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)), batch_places=places)
         if queued <= allowance and not self._over_share(tenant, queued, allowance):
             return AdmissionDecision(True, queued, allowance, in_flight, bound)
         if queued <= allowance:
@@ -158,7 +168,10 @@ class AdmissionController:
 
     def refusal(self, model: str, decision: AdmissionDecision) -> APIError:
         """The 503 ``overloaded`` error, with its Retry-After header, for a refused request."""
-        if decision.tenant_share is not None:
+        if decision.batch_places is not None:
+            detail = (f"batch requests may fill {decision.batch_places} of its {decision.queue_allowance} queue "
+                      f"places, and {decision.num_queued} are queued")
+        elif decision.tenant_share is not None:
             detail = (f"your tenant holds its share of the queue, {decision.tenant_share} of "
                       f"{decision.queue_allowance} places, while others wait")
         elif decision.queue_allowance is None:

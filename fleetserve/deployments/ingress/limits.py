@@ -109,8 +109,9 @@ class WorkLimits:
             if tenant is not None:
                 self.unstarted_by_tenant[model, tenant] -= 1
 
-    def admit(self, model: str, tenant: str | None = None, share: float | None = None) -> None:
-        """Admission control for one request to ``model``, from ``tenant`` with its weighted ``share``.
+    def admit(self, model: str, tenant: str | None = None, share: float | None = None, batch: bool = False) -> None:
+        """Admission control for one request to ``model``, from ``tenant`` with its weighted ``share`` (and
+        its priority class: ``batch`` or interactive).
 
         Raises:
             APIError: 503 ``overloaded`` with Retry-After.
@@ -118,11 +119,12 @@ class WorkLimits:
         if self.load_source is not None and self._load_refresher is None:
             self._load_refresher = asyncio.get_running_loop().create_task(self._refresh_loads())
         controller = self.admission[model]
-        queue = (TenantQueue(self.unstarted_by_tenant[model, tenant], share)
+        queue = (TenantQueue(self.unstarted_by_tenant[model, tenant], share, batch)
                  if tenant is not None and share is not None else None)
         decision = controller.decide(self.in_flight[model], self.unstarted[model], queue)
         if not decision.admitted:
-            bound = ("share" if decision.tenant_share is not None else
+            bound = ("batch" if decision.batch_places is not None else
+                     "share" if decision.tenant_share is not None else
                      "queue" if decision.queue_allowance is not None else "in_flight")
             self.platform_metrics.rejections.labels(model, bound).inc()
             raise controller.refusal(model, decision)

@@ -38,7 +38,7 @@ class IngressMetrics:
                                      "Requests the admission bound lets queue for the model now.", ["model"],
                                      registry=self.registry)
         self.rejections = Counter("fleetserve_admission_rejections", "Requests refused with 503 at admission, "
-                                  "by which bound refused them (queue, share or in_flight).", ["model", "bound"],
+                                  "by which bound refused them (queue, share, batch or in_flight).", ["model", "bound"],
                                   registry=self.registry)
         self.engine_retries = Counter("fleetserve_engine_retries", "Requests sent again because their replica "
                                       "failed before streaming anything.", ["model"], registry=self.registry)

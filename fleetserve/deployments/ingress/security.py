@@ -195,6 +195,11 @@ class FrontDoor:
         self.keys = KeyStore(auth)
         self.limiter = RateLimiter(self.keys.tenants, clock)
 
+    def is_batch(self, tenant: str) -> bool:
+        """Whether the tenant's requests are batch work (queued and scheduled after interactive work)."""
+        spec = self.limiter.tenants.get(tenant)
+        return spec is not None and spec.priority == "batch"
+
     def share(self, tenant: str) -> float:
         """The tenant's weighted share of a model's admission queue: its weight over all tenants' weights."""
         tenants = self.limiter.tenants

@@ -50,6 +50,10 @@ from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, 
 logger = logging.getLogger(__name__)
 
 
+# vLLM's request priority per tenant class: lower is scheduled first.
+PRIORITY_RANK = {"interactive": 0, "batch": 1}
+# The endpoints whose vLLM request takes a priority.
+PRIORITY_ENDPOINTS = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES)
 # Every path the ingress forwards; requests on them are counted in fleetserve_requests_total.
 FORWARDED_ROUTES = tuple(endpoint.value for endpoint in Endpoint)
 # Paths anyone may call when auth is on: liveness and the API's schema.
@@ -281,7 +285,16 @@ class OpenAIIngress:
                            404, "not_found_error", param="model", code="model_not_found")
         return client
 
-    def _forwarded_body(self, endpoint: Endpoint, fields: RequestFields, model: str, body: bytes) -> tuple[bytes, bool]:
+    def _priority(self, model: str, tenant: str | None) -> int | None:
+        """vLLM's request priority for the tenant's class (0 interactive, 1 batch; lower runs first), on a
+        model whose engines schedule by priority; None elsewhere (vLLM refuses priorities there)."""
+        config = self.models.get(model)
+        if tenant is None or config is None or config.engine_args.extra.get("scheduling_policy") != "priority":
+            return None
+        return PRIORITY_RANK["batch" if self.front_door.is_batch(tenant) else "interactive"]
+
+    def _forwarded_body(self, endpoint: Endpoint, fields: RequestFields, model: str, body: bytes,
+                        priority: int | None = None) -> tuple[bytes, bool]:
         """The body to forward, and whether the replica should drop a usage event the ingress asked for.
 
         The body goes as the client sent it, except that a routed name becomes the chosen model, a request
@@ -292,6 +305,10 @@ class OpenAIIngress:
         payload = fields.payload
         changed = model != fields.model
         strip_usage = False
+        if priority is not None and endpoint in PRIORITY_ENDPOINTS:
+            # The platform, not the caller, decides who is scheduled first.
+            payload = {**payload, "priority": priority}
+            changed = True
         if fields.max_tokens is None and self.limits.max_tokens is not None and endpoint in MAX_TOKENS_FIELDS:
             payload = {**payload, MAX_TOKENS_FIELDS[endpoint][0]: self.limits.max_tokens}
             changed = True
@@ -319,11 +336,11 @@ class OpenAIIngress:
         model = choice.model if choice is not None else fields.model
         client = self._client(model)
         request_id = new_id("req")
-        forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body)
+        forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body, self._priority(model, tenant))
         request = ApiRequest(request_id, endpoint, forwarded, strip_usage, fields.routing_hints(session_id))
         if endpoint.generates:
             share = self.front_door.share(tenant) if tenant is not None else None
-            self.work.admit(model, tenant, share)
+            self.work.admit(model, tenant, share, batch=tenant is not None and self.front_door.is_batch(tenant))
         stream, first = await self._start(model, client, request, tenant)
         head = first.head
         headers = {HEADER_MODEL: model, HEADER_REPLICA: head.replica_id, HEADER_POOL: self._pool_of(model),

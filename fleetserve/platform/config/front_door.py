@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 
 from fleetserve.platform.config.base import MiB, Strict
@@ -66,6 +68,10 @@ class TenantConfig(Strict):
     tokens_per_minute: float | None = Field(default=None, gt=0)
     # Share of each model's admission queue under overload: this weight over the sum of all tenants' weights.
     weight: float = Field(default=1.0, gt=0)
+    # interactive: may queue up to the whole admission bound. batch: only up to limits.fair_share_from of it,
+    # so interactive work always finds room; on engines with vLLM's priority scheduling
+    # (engine_args.extra.scheduling_policy: priority) its requests are also scheduled after interactive ones.
+    priority: Literal["interactive", "batch"] = "interactive"
 
 
 class APIKeyConfig(Strict):
