@@ -1,6 +1,8 @@
-"""Overload: fleetserve's admission control against Ray Serve's default unbounded queueing, at 2x capacity.
+"""Overload: fleetserve's admission control against Ray Serve's default unbounded queueing, at 2x capacity;
+and with --tenants, a light tenant beside a heavy one's flood, with fair shares of the queue on and off.
 
     .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
+    .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~6 min
 
 The tiny model on 2 replicas (one core each, max_num_seqs 16, eager). Capacity is measured first: a
 closed burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
@@ -9,6 +11,10 @@ same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `f
   bounded    fleetserve's admission control: queue bound of 2 s of drain (max_queue_wait_s 2)
   unbounded  no admission bound (max_queue_wait_s and max_in_flight_per_replica off): Ray Serve's
              default, where every request queues until served or timed out
+
+With --tenants: tenant B sends at 0.2x capacity alone, then beside tenant A at 3x capacity, once with
+fair shares (limits.fair_share_from 0.5, equal weights) and once without (fair_share_from 1.0). Reported:
+B's goodput and p99 TTFT against B alone, and what A got.
 
 Reported per setup: completed, refused (503 with Retry-After), client timeouts (120 s), throughput,
 TTFT/TPOT medians and p99s of completed requests, goodput (TTFT <= 5 s), peak requests in flight, and
@@ -35,6 +41,19 @@ SETUPS = {"bounded": {"max_queue_wait_s": 2.0, "min_queued_per_replica": 8},
           "unbounded": {"max_queue_wait_s": None, "max_in_flight_per_replica": None}}
 # Goodput SLO (ms): a first token within 5 s.
 SLO = {"ttft": 5000.0}
+
+
+KEYS = {"heavy": "sk-overload-heavy", "light": "sk-overload-light"}
+SEEDS = {"heavy": 2, "light": 1}
+
+
+def tenants_config(fair_share_from: float) -> dict:
+    from fleetserve.deployments.ingress.security import hash_key
+
+    return {"models": [model_config()],
+            "limits": {**SETUPS["bounded"], "fair_share_from": fair_share_from},
+            "auth": {"tenants": {name: {} for name in KEYS},
+                     "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]}}
 
 
 def model_config() -> dict:
@@ -83,11 +102,19 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "overload")
+    parser.add_argument("--tenants", action="store_true", help="a light tenant beside a heavy one's flood")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     base_url = f"http://127.0.0.1:{PORT}"
+    if args.tenants:
+        try:
+            tenants(base_url, args)
+        finally:
+            serve.shutdown()
+            ray.shutdown()
+        return
     rows, capacity = [], None
     try:
         for setup, limits in SETUPS.items():
@@ -114,6 +141,53 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     report(rows, capacity)
+
+
+def tenants(base_url: str, args: argparse.Namespace) -> None:
+    """B alone at 0.2x capacity, then B beside A at 3x, with fair shares on and off."""
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+
+    def bench(tenant: str, rate: float) -> BenchConfig:
+        return BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True, request_rate=rate,
+                           seed=SEEDS[tenant], max_seconds=args.seconds, timeout_s=120.0, goodput=SLO,
+                           api_key=KEYS[tenant])
+
+    async def together(configs: list[BenchConfig]) -> list:
+        return await asyncio.gather(*[run_benchmark(config, specs(int(config.request_rate * args.seconds) + 50))
+                                      for config in configs])
+
+    rows: dict[str, dict] = {}
+    capacity = None
+    for setup, fair_share_from in (("shares on", 0.5), ("shares off", 1.0)):
+        serve.run(build_app(parse_config(tenants_config(fair_share_from))), name="fleetserve", route_prefix="/")
+        if capacity is None:
+            probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
+                                                          max_concurrency=32, api_key=KEYS["light"]), specs(96)))
+            capacity = probe.metrics["request_throughput"]
+            print(f"capacity: {capacity:.2f} req/s; B at {0.2 * capacity:.2f} req/s, A at {3 * capacity:.2f} req/s",
+                  flush=True)
+            (alone,) = asyncio.run(together([bench("light", 0.2 * capacity)]))
+            rows["B alone"] = {"B": alone}
+            save_results(args.out / "tenants-b-alone.json", [alone], detailed=True)
+        light, heavy = asyncio.run(together([bench("light", 0.2 * capacity), bench("heavy", 3 * capacity)]))
+        rows[setup] = {"B": light, "A": heavy}
+        save_results(args.out / f"tenants-{setup.replace(' ', '-')}.json", [light, heavy], detailed=True)
+        serve.delete("fleetserve")
+    alone = rows["B alone"]["B"].metrics
+    print("\n| figure | B alone | B beside A, shares on | B beside A, shares off |\n|---|---|---|---|")
+    for name, key, fmt in (("B goodput, TTFT <= 5 s (req/s)", "request_goodput", "{:.2f}"),
+                           ("B median TTFT (ms)", "median_ttft_ms", "{:.0f}"),
+                           ("B p99 TTFT (ms)", "p99_ttft_ms", "{:.0f}"), ("B completed", "completed", "{}"),
+                           ("B refused", "refused", "{}")):
+        cells = [fmt.format(rows[setup]["B"].metrics[key]) for setup in ("B alone", "shares on", "shares off")]
+        print(f"| {name} | {' | '.join(cells)} |")
+    for setup in ("shares on", "shares off"):
+        b, a = rows[setup]["B"].metrics, rows[setup]["A"].metrics
+        print(f"{setup}: B goodput {b['request_goodput'] / alone['request_goodput']:.2f}x of alone, B p99 TTFT "
+              f"{b['p99_ttft_ms'] / alone['p99_ttft_ms']:.2f}x; A completed {a['completed']}, refused {a['refused']}")
+    print(f"\ncapacity {capacity:.2f} req/s (closed burst of 96)")
 
 
 def report(rows, capacity: float) -> None:

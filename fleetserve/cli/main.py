@@ -286,6 +286,8 @@ def bench(
     ctx: typer.Context,
     base_url: Annotated[Optional[str], typer.Option(help="Server URL, e.g. http://127.0.0.1:8000 (/v1 optional).")] = None,
     model: Annotated[Optional[str], typer.Option(help="Model name to request.")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", show_default=False,
+                                                   help="Sent as a bearer token (never saved with results).")] = None,
     api: Annotated[str, typer.Option(help="chat or completions.")] = "completions",
     dataset_name: Annotated[str, typer.Option(help="random, shared-prefix, sharegpt or jsonl.")] = "random",
     dataset_path: Annotated[Optional[Path], typer.Option(help="File for sharegpt / jsonl.")] = None,
@@ -359,7 +361,7 @@ def bench(
                              max_concurrency=max_concurrency, num_warmups=num_warmups, max_seconds=max_seconds,
                              seed=seed, ignore_eos=ignore_eos, percentiles=percentiles, goodput=slos,
                              timeout_s=timeout, dataset={k: str(v) if isinstance(v, Path) else v
-                                                         for k, v in described.items()})
+                                                         for k, v in described.items()}, api_key=api_key)
         try:
             result = asyncio.run(_run_with_progress(config, specs, maker.count if maker.tokenizer else None))
         except BenchError as error:

@@ -48,6 +48,8 @@ class BenchConfig:
     timeout_s: float = 600.0
     # Describes the workload (dataset name and parameters), for the record.
     dataset: dict[str, Any] = field(default_factory=dict)
+    # Sent as `Authorization: Bearer <key>`; never saved with the results.
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def v1_url(self) -> str:
@@ -72,6 +74,7 @@ class RunResult:
 
     def to_dict(self, detailed: bool) -> dict[str, Any]:
         config = asdict(self.config)
+        del config["api_key"]
         config["request_rate"] = "inf" if math.isinf(self.config.request_rate) else self.config.request_rate
         data: dict[str, Any] = {
             "config": config, "metrics": self.metrics, "interrupted": self.interrupted,
@@ -130,7 +133,9 @@ async def run_benchmark(config: BenchConfig, specs: Sequence[RequestSpec], stop:
     """
     stop = stop or asyncio.Event()
     limits = httpx.Limits(max_connections=config.max_concurrency or None, max_keepalive_connections=None)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s, connect=10.0), limits=limits) as http:
+    headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
+    async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s, connect=10.0), limits=limits,
+                                 headers=headers) as http:
         await preflight(config, http)
         for spec in specs[:config.num_warmups]:
             payload = build_payload(spec, config.api, config.model, config.ignore_eos)

@@ -239,3 +239,25 @@ def test_routing_counts_tally_choices_and_leave_out_per_request_numbers():
                for replica, rate in [("r0", "0.25"), ("r1", "0.5"), ("r0", "0.75")]]
     # r0 answered twice, r1 once; the three win rates are one number per request, not a choice.
     assert routing_counts(records) == {"x-fleetserve-replica": {"r0": 2, "r1": 1}}
+
+
+async def test_an_api_key_is_sent_as_a_bearer_token_and_never_saved(tmp_path, loopback_server):
+    from fastapi import FastAPI, Request
+    from fastapi.responses import JSONResponse
+
+    from fleetserve.loadtest.report import save_results
+
+    seen: list[str | None] = []
+    app = FastAPI()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        seen.append(request.headers.get("authorization"))
+        return JSONResponse({"error": {"message": "no"}}, status_code=401)
+
+    with loopback_server(app) as server:
+        result = await run_benchmark(BenchConfig(base_url=server.url, model="m", api_key="sk-secret-0001"),
+                                     specs(2, max_tokens=1))
+    assert seen == ["Bearer sk-secret-0001"] * 2
+    save_results(tmp_path / "r.json", [result], detailed=True)
+    assert "sk-secret" not in (tmp_path / "r.json").read_text()
