@@ -12,8 +12,9 @@ same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `f
   unbounded  no admission bound (max_queue_wait_s and max_in_flight_per_replica off): Ray Serve's
              default, where every request queues until served or timed out
 
-With --tenants: tenant B sends at 0.2x capacity alone, then beside tenant A at 3x capacity, once with
-fair shares (limits.fair_share_from 0.5, equal weights) and once without (fair_share_from 1.0). Reported:
+With --tenants: tenant B sends at 0.2x capacity alone, then beside tenant A at 3x capacity (--heavy-factor), once with
+fair shares (limits.fair_share_from 0.5, equal weights), once without (fair_share_from 1.0), and once
+with shares and A as a batch tenant on engines with vLLM's priority scheduling. Reported:
 B's goodput and p99 TTFT against B alone, and what A got.
 
 Reported per setup: completed, refused (503 with Retry-After), client timeouts (120 s), throughput,
@@ -24,6 +25,7 @@ peak memory of the ingress and engine processes. Results: results/overload/*.jso
 from __future__ import annotations
 
 import argparse
+import re
 import asyncio
 import threading
 from pathlib import Path
@@ -44,15 +46,26 @@ SLO = {"ttft": 5000.0}
 
 
 KEYS = {"heavy": "sk-overload-heavy", "light": "sk-overload-light"}
+# (name, limits.fair_share_from, A is a batch tenant on priority-scheduled engines)
+TENANT_SETUPS = [("shares off", 1.0, False), ("shares on", 0.5, False), ("shares on, A batch", 0.5, True)]
 SEEDS = {"heavy": 2, "light": 1}
 
 
-def tenants_config(fair_share_from: float) -> dict:
+def slug(text: str) -> str:
+    return re.sub(r"\W+", "-", text)
+
+
+def tenants_config(fair_share_from: float, heavy_batch: bool) -> dict:
     from fleetserve.deployments.ingress.security import hash_key
 
-    return {"models": [model_config()],
+    model = model_config()
+    if heavy_batch:
+        # vLLM's priority scheduling: the engines run interactive (priority 0) requests before batch (1).
+        model["engine_args"]["extra"]["scheduling_policy"] = "priority"
+    return {"models": [model],
             "limits": {**SETUPS["bounded"], "fair_share_from": fair_share_from},
-            "auth": {"tenants": {name: {} for name in KEYS},
+            "auth": {"tenants": {name: ({"priority": "batch"} if heavy_batch and name == "heavy" else {})
+                                 for name in KEYS},
                      "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]}}
 
 
@@ -103,6 +116,7 @@ def main() -> None:
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "overload")
     parser.add_argument("--tenants", action="store_true", help="a light tenant beside a heavy one's flood")
+    parser.add_argument("--heavy-factor", type=float, default=3.0, help="--tenants: A's rate over capacity")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -144,7 +158,7 @@ def main() -> None:
 
 
 def tenants(base_url: str, args: argparse.Namespace) -> None:
-    """B alone at 0.2x capacity, then B beside A at 3x, with fair shares on and off."""
+    """B alone at 0.2x capacity, then B beside A at --heavy-factor x, with fair shares on and off."""
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
@@ -160,30 +174,34 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
 
     rows: dict[str, dict] = {}
     capacity = None
-    for setup, fair_share_from in (("shares on", 0.5), ("shares off", 1.0)):
-        serve.run(build_app(parse_config(tenants_config(fair_share_from))), name="fleetserve", route_prefix="/")
+    for setup, fair_share_from, heavy_batch in TENANT_SETUPS:
+        serve.run(build_app(parse_config(tenants_config(fair_share_from, heavy_batch))), name="fleetserve",
+                  route_prefix="/")
         if capacity is None:
             probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
                                                           max_concurrency=32, api_key=KEYS["light"]), specs(96)))
             capacity = probe.metrics["request_throughput"]
-            print(f"capacity: {capacity:.2f} req/s; B at {0.2 * capacity:.2f} req/s, A at {3 * capacity:.2f} req/s",
-                  flush=True)
+            print(f"capacity: {capacity:.2f} req/s; B at {0.2 * capacity:.2f} req/s, A at "
+                  f"{args.heavy_factor * capacity:.2f} req/s", flush=True)
             (alone,) = asyncio.run(together([bench("light", 0.2 * capacity)]))
             rows["B alone"] = {"B": alone}
             save_results(args.out / "tenants-b-alone.json", [alone], detailed=True)
-        light, heavy = asyncio.run(together([bench("light", 0.2 * capacity), bench("heavy", 3 * capacity)]))
+        light, heavy = asyncio.run(together([bench("light", 0.2 * capacity),
+                                             bench("heavy", args.heavy_factor * capacity)]))
         rows[setup] = {"B": light, "A": heavy}
-        save_results(args.out / f"tenants-{setup.replace(' ', '-')}.json", [light, heavy], detailed=True)
+        save_results(args.out / f"tenants-{slug(setup)}.json", [light, heavy], detailed=True)
         serve.delete("fleetserve")
     alone = rows["B alone"]["B"].metrics
-    print("\n| figure | B alone | B beside A, shares on | B beside A, shares off |\n|---|---|---|---|")
+    setups = [setup for setup, _, _ in TENANT_SETUPS]
+    print(f"\n| figure | B alone | {' | '.join(f'B beside A, {setup}' for setup in setups)} |")
+    print(f"|---|---|{'---|' * len(setups)}")
     for name, key, fmt in (("B goodput, TTFT <= 5 s (req/s)", "request_goodput", "{:.2f}"),
                            ("B median TTFT (ms)", "median_ttft_ms", "{:.0f}"),
                            ("B p99 TTFT (ms)", "p99_ttft_ms", "{:.0f}"), ("B completed", "completed", "{}"),
                            ("B refused", "refused", "{}")):
-        cells = [fmt.format(rows[setup]["B"].metrics[key]) for setup in ("B alone", "shares on", "shares off")]
+        cells = [fmt.format(rows[setup]["B"].metrics[key]) for setup in ("B alone", *setups)]
         print(f"| {name} | {' | '.join(cells)} |")
-    for setup in ("shares on", "shares off"):
+    for setup in setups:
         b, a = rows[setup]["B"].metrics, rows[setup]["A"].metrics
         print(f"{setup}: B goodput {b['request_goodput'] / alone['request_goodput']:.2f}x of alone, B p99 TTFT "
               f"{b['p99_ttft_ms'] / alone['p99_ttft_ms']:.2f}x; A completed {a['completed']}, refused {a['refused']}")

@@ -28,7 +28,8 @@ def flooded_ingress(engine_cls, **weights: float) -> OpenAIIngress:
     auth = AuthConfig.model_validate({
         "tenants": {name: {"weight": weights.get(name, 1.0)} for name in KEYS},
         "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]})
-    # A queue of 8 (min_queued_per_replica with 1 replica and no completions yet); shares apply past half of it.
+    # A queue of 8 (min_queued_per_replica with 1 replica and no completions yet); shares apply past half of it,
+    # and each is a weighted part of the queue plus the engine's slot: every request admitted and not finished.
     app = OpenAIIngress({"fake": LocalModelClient(server)}, models={"fake": model}, front_door=FrontDoor(auth),
                         limits=LimitsConfig(min_queued_per_replica=8, fair_share_from=0.5))
     app.work.admission["fake"].observe([ReplicaReport(replica_id="r0")])  # one idle replica reporting
@@ -59,7 +60,8 @@ async def test_a_flood_takes_its_share_and_a_light_tenant_still_gets_in(fake_eng
     statuses = await flood(app, ["heavy"] * 20 + ["light"] * 5)
     # The k-th request makes k waiting, less the engine's one free slot: queued = k - 1 (at least 1). Up to
     # half the queue (4) anyone is admitted, so heavy's first 5 are; its 6th (queued 5 > 4) would make 6 of
-    # its own against a share of floor(0.5 x 8) = 4: refused, as are the other 14.
+    # its own against a share of floor(0.5 x (8 queue places + 1 engine slot)) = 4: refused, as are
+    # the other 14.
     assert sorted(statuses["heavy"]) == [200] * 5 + [503] * 15
     # light's j-th makes queued 4 + j, past half: its 1st-4th hold 1-4 of its share of 4, and its 5th finds
     # the queue full (9 > 8). Without shares, heavy would have taken all 8 places and light none.
@@ -69,8 +71,8 @@ async def test_a_flood_takes_its_share_and_a_light_tenant_still_gets_in(fake_eng
 async def test_weights_split_the_queue(fake_engine_cls):
     app = flooded_ingress(fake_engine_cls, heavy=3.0)
     statuses = await flood(app, ["heavy"] * 20 + ["light"] * 5)
-    # heavy's share is 3/4 of 8 = 6 places: its first 5 freely, its 6th (queued 5) holds 6 of 6, its 7th
-    # is refused. light's share is floor(1/4 x 8) = 2: its j-th makes queued 5 + j; its 1st and 2nd hold
+    # heavy's share is floor(3/4 x (8 + 1)) = 6: its first 5 freely, its 6th (queued 5) holds 6 of 6, its 7th
+    # is refused. light's share is floor(1/4 x 9) = 2: its j-th makes queued 5 + j; its 1st and 2nd hold
     # 1 and 2 of 2, its 3rd would be a 3rd.
     assert sorted(statuses["heavy"]) == [200] * 6 + [503] * 14
     assert sorted(statuses["light"]) == [200] * 2 + [503] * 3
@@ -96,7 +98,8 @@ async def test_batch_work_leaves_the_upper_half_of_the_queue_to_interactive_work
     app, server = classed_ingress(fake_engine_cls)
     statuses = await flood(app, ["heavy"] * 20 + ["light"] * 5)
     # heavy is batch: up to half the queue (queued <= 4) it is admitted, 5 requests, though its weight (3 of
-    # 4) would allow 6. light (share floor(1/4 x 8) = 2) makes queued 5 + j: 2 admitted, then its share.
+    # 4) would allow floor(3/4 x 9) = 6. light (share floor(1/4 x 9) = 2) makes queued 5 + j: 2 admitted,
+    # then its share.
     assert sorted(statuses["heavy"]) == [200] * 5 + [503] * 15
     assert sorted(statuses["light"]) == [200] * 2 + [503] * 3
     # The engine does not schedule by priority: no priority is forwarded (vLLM would refuse one).

@@ -56,8 +56,9 @@ class AdmissionDecision:
 class TenantQueue:
     """One tenant's place in a model's admission queue at this ingress."""
 
-    # Its requests admitted here that have no first token yet.
-    num_unstarted: int
+    # Its requests admitted here and not finished (queued, or streaming: both hold a place in the queue's
+    # view, which counts requests beyond the engines' slots as queued).
+    num_in_flight: int
     # Its weight over the sum of all tenants' weights, 0-1.
     share: float
     # A batch tenant's requests may fill only limits.fair_share_from of the queue.
@@ -147,12 +148,12 @@ class AdmissionController:
             retry = math.ceil((queued - places) / rate) if rate > 0 else MIN_RETRY_AFTER_S
             return AdmissionDecision(False, queued, allowance, in_flight, bound,
                                      min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)), batch_places=places)
-        if queued <= allowance and not self._over_share(tenant, queued, allowance):
+        if queued <= allowance and not self._over_share(tenant, queued, allowance, slots):
             return AdmissionDecision(True, queued, allowance, in_flight, bound)
         if queued <= allowance:
             # Refused for its share: retry once about its own excess has drained.
-            share = math.floor(tenant.share * allowance)
-            retry = math.ceil((tenant.num_unstarted + 1 - share) / rate) if rate > 0 else MIN_RETRY_AFTER_S
+            share = self._share_places(tenant, allowance, slots)
+            retry = math.ceil((tenant.num_in_flight + 1 - share) / rate) if rate > 0 else MIN_RETRY_AFTER_S
             return AdmissionDecision(False, queued, allowance, in_flight, bound,
                                      min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)), share)
         excess = queued - allowance
@@ -160,11 +161,16 @@ class AdmissionController:
         return AdmissionDecision(False, queued, allowance, in_flight, bound,
                                  min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)))
 
-    def _over_share(self, tenant: TenantQueue | None, queued: int, allowance: int) -> bool:
+    @staticmethod
+    def _share_places(tenant: TenantQueue, allowance: int, slots: int) -> int:
+        """The tenant's weighted part of what the model may hold: its engines' slots and the queue."""
+        return math.floor(tenant.share * (allowance + slots))
+
+    def _over_share(self, tenant: TenantQueue | None, queued: int, allowance: int, slots: int) -> bool:
         """A tenant joining a queue filled past ``fair_share_from`` beyond its weighted share of it."""
         if tenant is None or queued <= self.limits.fair_share_from * allowance:
             return False
-        return tenant.num_unstarted + 1 > math.floor(tenant.share * allowance)
+        return tenant.num_in_flight + 1 > self._share_places(tenant, allowance, slots)
 
     def refusal(self, model: str, decision: AdmissionDecision) -> APIError:
         """The 503 ``overloaded`` error, with its Retry-After header, for a refused request."""
@@ -172,8 +178,8 @@ class AdmissionController:
             detail = (f"batch requests may fill {decision.batch_places} of its {decision.queue_allowance} queue "
                       f"places, and {decision.num_queued} are queued")
         elif decision.tenant_share is not None:
-            detail = (f"your tenant holds its share of the queue, {decision.tenant_share} of "
-                      f"{decision.queue_allowance} places, while others wait")
+            detail = (f"your tenant holds its share, {decision.tenant_share} requests in flight, while others "
+                      f"wait")
         elif decision.queue_allowance is None:
             detail = f"{decision.in_flight_bound} requests in flight"
         else:

@@ -77,10 +77,10 @@ class WorkLimits:
         self.platform_metrics = metrics
         # Requests admitted and not yet finished, per served model.
         self.in_flight: dict[str, int] = {name: 0 for name in models}
-        # Of those, the requests still waiting for their first token (queued or being prefilled), in all and
-        # per (model, tenant).
+        # The same per (model, tenant), for fair shares.
+        self.in_flight_by_tenant: Counter[tuple[str, str]] = Counter()
+        # Of those, the requests still waiting for their first token (queued or being prefilled).
         self.unstarted: dict[str, int] = {name: 0 for name in models}
-        self.unstarted_by_tenant: Counter[tuple[str, str]] = Counter()
         self.admission = {name: AdmissionController(configs.get(name), limits) for name in models}
         self.load_source = load_source
         self._load_refresher: asyncio.Task | None = None
@@ -97,17 +97,13 @@ class WorkLimits:
             await asyncio.sleep(LOAD_REFRESH_S)
 
     @contextmanager
-    def waiting(self, model: str, tenant: str | None) -> Iterator[None]:
-        """Counts a request as unstarted (for the model, and for its tenant) until its first chunk."""
+    def waiting(self, model: str) -> Iterator[None]:
+        """Counts a request as unstarted until its first chunk."""
         self.unstarted[model] += 1
-        if tenant is not None:
-            self.unstarted_by_tenant[model, tenant] += 1
         try:
             yield
         finally:
             self.unstarted[model] -= 1
-            if tenant is not None:
-                self.unstarted_by_tenant[model, tenant] -= 1
 
     def admit(self, model: str, tenant: str | None = None, share: float | None = None, batch: bool = False) -> None:
         """Admission control for one request to ``model``, from ``tenant`` with its weighted ``share`` (and
@@ -119,7 +115,7 @@ class WorkLimits:
         if self.load_source is not None and self._load_refresher is None:
             self._load_refresher = asyncio.get_running_loop().create_task(self._refresh_loads())
         controller = self.admission[model]
-        queue = (TenantQueue(self.unstarted_by_tenant[model, tenant], share, batch)
+        queue = (TenantQueue(self.in_flight_by_tenant[model, tenant], share, batch)
                  if tenant is not None and share is not None else None)
         decision = controller.decide(self.in_flight[model], self.unstarted[model], queue)
         if not decision.admitted:
@@ -131,9 +127,13 @@ class WorkLimits:
         if decision.queue_allowance is not None:
             self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)
 
-    async def guarded(self, model: str, stream: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:
-        """Counts the request as in flight while it runs, and aborts it when it stops making progress."""
+    async def guarded(self, model: str, stream: AsyncIterator[ReplicaChunk],
+                      tenant: str | None = None) -> AsyncIterator[ReplicaChunk]:
+        """Counts the request as in flight (for its tenant too) while it runs, and aborts it when it stops
+        making progress."""
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
+        if tenant is not None:
+            self.in_flight_by_tenant[model, tenant] += 1
         self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
         timeout = self.limits.progress_timeout_s
         try:
@@ -150,5 +150,7 @@ class WorkLimits:
                 yield chunk
         finally:
             self.in_flight[model] -= 1
+            if tenant is not None:
+                self.in_flight_by_tenant[model, tenant] -= 1
             self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
             await stream.aclose()

@@ -392,9 +392,9 @@ class OpenAIIngress:
             APIError: the engine's error, or 503 once the retries are spent.
         """
         num_retries = 0
-        with self.work.waiting(model, tenant):
+        with self.work.waiting(model):
             while True:
-                stream = self.work.guarded(model, client.forward(request))
+                stream = self.work.guarded(model, client.forward(request), tenant)
                 try:
                     return stream, await anext(stream)
                 except StopAsyncIteration:
