@@ -29,6 +29,12 @@ MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
 
 
+def _retry_after(excess: int, rate: float) -> int:
+    """Seconds until ``excess`` requests drain at ``rate`` per second, within the Retry-After bounds."""
+    retry = math.ceil(excess / rate) if rate > 0 else MIN_RETRY_AFTER_S
+    return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry))
+
+
 @dataclass(frozen=True)
 class AdmissionDecision:
     """Why a request was admitted or refused; the numbers are those the rule compared."""
@@ -145,21 +151,16 @@ class AdmissionController:
         if tenant is not None and tenant.batch and queued > self.limits.fair_share_from * allowance:
             # The rest of the queue is interactive work's; a batch caller retries once its part has room.
             places = math.floor(self.limits.fair_share_from * allowance)
-            retry = math.ceil((queued - places) / rate) if rate > 0 else MIN_RETRY_AFTER_S
-            return AdmissionDecision(False, queued, allowance, in_flight, bound,
-                                     min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)), batch_places=places)
+            return AdmissionDecision(False, queued, allowance, in_flight, bound, _retry_after(queued - places, rate),
+                                     batch_places=places)
         if queued <= allowance and not self._over_share(tenant, queued, allowance, slots):
             return AdmissionDecision(True, queued, allowance, in_flight, bound)
         if queued <= allowance:
             # Refused for its share: retry once about its own excess has drained.
             share = self._share_places(tenant, allowance, slots)
-            retry = math.ceil((tenant.num_in_flight + 1 - share) / rate) if rate > 0 else MIN_RETRY_AFTER_S
             return AdmissionDecision(False, queued, allowance, in_flight, bound,
-                                     min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)), share)
-        excess = queued - allowance
-        retry = math.ceil(excess / rate) if rate > 0 else MIN_RETRY_AFTER_S
-        return AdmissionDecision(False, queued, allowance, in_flight, bound,
-                                 min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, retry)))
+                                     _retry_after(tenant.num_in_flight + 1 - share, rate), share)
+        return AdmissionDecision(False, queued, allowance, in_flight, bound, _retry_after(queued - allowance, rate))
 
     @staticmethod
     def _share_places(tenant: TenantQueue, allowance: int, slots: int) -> int:

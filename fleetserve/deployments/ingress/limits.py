@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +16,7 @@ from fleetserve.deployments.ingress.admission import AdmissionController, Tenant
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.ingress.request_fields import RequestFields
+from fleetserve.deployments.ingress.security import estimated_prompt_tokens
 from fleetserve.platform.api_types import ReplicaChunk
 from fleetserve.platform.config import LimitsConfig, ModelConfig
 from fleetserve.platform.replica_report import ReplicaReport
@@ -37,7 +37,7 @@ def effective_max_tokens(fields: RequestFields, limits: LimitsConfig, max_model_
     if limits.max_tokens is not None:
         return limits.max_tokens
     if max_model_len is not None:
-        return max(0, max_model_len - math.ceil(len(fields.prompt_text) / 4))
+        return max(0, max_model_len - estimated_prompt_tokens(fields.prompt_text))
     return None
 
 

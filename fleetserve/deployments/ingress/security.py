@@ -178,9 +178,14 @@ class RateLimiter:
             bucket.take(amount)
 
 
+def estimated_prompt_tokens(prompt_text: str) -> int:
+    """A prompt's tokens before tokenizing: ~4 characters each."""
+    return math.ceil(len(prompt_text) / 4)
+
+
 def estimated_tokens(prompt_text: str, max_tokens: int | None, default_max_tokens: int = 256) -> int:
-    """What a request is charged at admission: ~4 characters per prompt token, plus its output budget."""
-    return math.ceil(len(prompt_text) / 4) + (max_tokens if max_tokens is not None else default_max_tokens)
+    """What a request is charged at admission: its estimated prompt tokens plus its output budget."""
+    return estimated_prompt_tokens(prompt_text) + (max_tokens if max_tokens is not None else default_max_tokens)
 
 
 class FrontDoor:
@@ -194,6 +199,8 @@ class FrontDoor:
     def __init__(self, auth: AuthConfig, clock=time.monotonic) -> None:
         self.keys = KeyStore(auth)
         self.limiter = RateLimiter(self.keys.tenants, clock)
+        total_weight = sum(spec.weight for spec in self.keys.tenants.values())
+        self._shares = {name: spec.weight / total_weight for name, spec in self.keys.tenants.items()}
 
     def is_batch(self, tenant: str) -> bool:
         """Whether the tenant's requests are batch work (queued and scheduled after interactive work)."""
@@ -202,8 +209,7 @@ class FrontDoor:
 
     def share(self, tenant: str) -> float:
         """The tenant's weighted share of a model's admission queue: its weight over all tenants' weights."""
-        tenants = self.limiter.tenants
-        return tenants[tenant].weight / sum(spec.weight for spec in tenants.values()) if tenant in tenants else 1.0
+        return self._shares.get(tenant, 1.0)
 
     def authenticate(self, authorization: str | None) -> Principal:
         return self.keys.authenticate(authorization)
