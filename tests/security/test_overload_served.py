@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 
-from cluster_helpers import kill, metric_values, replica_actors, wait_all_idle, wait_until_healthy
+from cluster_helpers import engine_gauges, kill, metric_values, replica_actors, wait_all_idle, wait_until_healthy
 from conftest import Served
 from factories import model_entry
 from fleetserve.loadtest.datasets import RequestSpec
@@ -222,7 +222,17 @@ def test_replica_crash_under_load_retries_unstarted_requests_and_recovers(guarde
         config = BenchConfig(base_url=guarded.base_url, model=MODEL, ignore_eos=True, timeout_s=120)
         bench = asyncio.ensure_future(run_benchmark(config, specs(NUM_CRASH_REQUESTS, input_words=256,
                                                                   max_tokens=96)))
-        await asyncio.sleep(1.5)
+        # Kill once the victim has requests queued in its engine: those have no output yet, so the ingress must
+        # send them again. (A fixed delay sometimes landed when all of them were already streaming.)
+        victim_id = victims[0].rsplit("#", 1)[-1]
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            gauges = await asyncio.get_running_loop().run_in_executor(None, engine_gauges, guarded.base_url, MODEL)
+            if any(replica == victim_id and values.get("waiting", 0) > 0 for (_, replica), values in gauges.items()):
+                break
+            await asyncio.sleep(0.1)
+        else:
+            raise AssertionError(f"replica {victim_id} never had waiting requests: {gauges}")
         killed_at = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, kill, victims[0])
         return await bench, killed_at
