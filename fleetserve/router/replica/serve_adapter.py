@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from fleetserve.router.replica import decisions
 from fleetserve.router.replica.kv_events import KVEventIndex, KVEventSubscriber
@@ -111,8 +111,14 @@ class EventKeys:
         return list(self.tokenizer.encode(prompt)) if isinstance(prompt, str) else list(prompt or [])
 
 
-class FleetserveRequestRouter(FIFOMixin, RequestRouter):
-    """Chooses replicas with a ``fleetserve.router.replica.policy`` policy."""
+class FleetserveRequestRouter(RequestRouter):
+    """Chooses replicas with a ``fleetserve.router.replica.policy`` policy.
+
+    Without Serve's FIFOMixin: a replica found for one request goes to that request (Serve's exact match by
+    request id). FIFO hands it to the oldest pending request instead and cancels that request's own routing
+    task, so in a burst a choice of a replica whose queue length Serve is still probing can be cancelled by
+    a choice of one it has cached: a CI run saw all 12 of a burst's requests land on one of two replicas.
+    """
 
     def initialize_state(self, routing: dict[str, Any] | None = None, tokenizer_source: str | None = None,
                          chat_template: str | None = None) -> None:
