@@ -37,7 +37,8 @@ from typing import Callable
 import numpy as np
 
 from fleetserve.cli.autoscale import plot_timeline
-from fleetserve.autoscaler.policy import Decision, KVCachePolicy, PoolObservation, make_policy
+from fleetserve.autoscaler.policies import make_policy
+from fleetserve.autoscaler.policy import Decision, KVCachePolicy, PoolObservation
 from fleetserve.platform.config import AutoscalingConfig
 from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, simulate
 from fleetserve.autoscaler.traces import TraceRequest, from_rate, ramp
@@ -99,7 +100,7 @@ async def _calibrate(out: Path) -> None:
                              request_overhead_s=float(overhead))
     print(f"profile: {profile}", flush=True)
     print(f"for the kv_cache policy of this model on this hardware: prefill_tokens_per_s: {prefill_rate:.0f}", flush=True)
-    report = {"profile": asdict(profile), "decode_batches": batches, "decode_step_s": step_times, "validation": {}}
+    report = {"profile": profile.model_dump(), "decode_batches": batches, "decode_step_s": step_times, "validation": {}}
     # Validation: the same Poisson traces against the engine and the simulator, light and busy.
     for rate in (3.0, 40.0):
         trace = ramp(45, rate, rate, prompt_tokens=128, output_tokens=64, spread=0.5, seed=3)
@@ -334,7 +335,7 @@ def _compare(out: Path, traces: list[str]) -> None:
             rows.append(row)
             if len(rows) % 25 == 0 or len(rows) == len(jobs):
                 print(f"{len(rows)}/{len(jobs)} simulations ({time.perf_counter() - started:.0f} s)", flush=True)
-    report: dict = {"profile": asdict(GPU_PROFILE), "slo": asdict(SLO_TARGET), "traces": {}}
+    report: dict = {"profile": GPU_PROFILE.model_dump(), "slo": asdict(SLO_TARGET), "traces": {}}
     out.mkdir(parents=True, exist_ok=True)
     for trace in traces:
         table, best = {}, {}

@@ -22,7 +22,8 @@ from fleetserve.platform.replica_report import ReplicaReport
 # Why a decision came out as it did; every decision carries exactly one.
 Reason = Literal["hold", "kv_high", "prefill_high", "queue", "ttft", "kv_low", "prefill_low", "cooldown",
                  "idle_to_zero", "wake",
-                 "min_replicas", "max_replicas", "stabilizing", "ongoing_requests", "queue_depth"]
+                 "min_replicas", "max_replicas", "stabilizing", "ongoing_requests", "queue_depth",
+                 "slo_prefill", "slo_kv", "slo_tpot", "slo_down"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,7 @@ class Policy(Protocol):
     def decide(self, observation: PoolObservation) -> Decision: ...
 
 
-class _Stabilizer:
+class Stabilizer:
     """Step limits, stabilization windows and min/max, applied to a raw recommendation.
 
     Args:
@@ -112,6 +113,20 @@ class _Stabilizer:
         return desired, reason
 
 
+def prompt_demand(reporting: list[PoolObservation]) -> tuple[list[float], list[float]]:
+    """Prompt-token demand (tokens/s) over each interval between observations, with the interval's end time:
+    the prompt tokens computed, plus how fast the backlog grew. A lone observation has no interval: what
+    it computed."""
+    times = [obs.time_s for obs in reporting]
+    computed = [sum(r.prompt_tokens_per_s for r in obs.replicas) for obs in reporting]
+    backlog = [sum(r.num_pending_prompt_tokens for r in obs.replicas) for obs in reporting]
+    intervals = [i for i in range(1, len(reporting)) if times[i] > times[i - 1]]
+    if not intervals:
+        return times[-1:], computed[-1:]
+    return ([times[i] for i in intervals],
+            [computed[i] + (backlog[i] - backlog[i - 1]) / (times[i] - times[i - 1]) for i in intervals])
+
+
 @dataclass(frozen=True)
 class PoolLoad:
     """What a pool's ready replicas carry, in replicas' worth, averaged over the policy's window."""
@@ -153,7 +168,7 @@ class KVCachePolicy:
         self.idle_since: float | None = None
         # (time, replicas the load fits at the low targets) since the load went low, for scale-down.
         self.low_counts: deque[tuple[float, int]] = deque()
-        self.stabilizer = _Stabilizer(config)
+        self.stabilizer = Stabilizer(config)
 
     def _load(self) -> PoolLoad:
         reporting = [obs for obs in self.window if obs.replicas]
@@ -167,14 +182,7 @@ class KVCachePolicy:
             kv_ahead = max(kv, intercept + slope * (times[-1] + self.config.kv_lookahead_s))
         if self.config.prefill_tokens_per_s is None:
             return PoolLoad(kv, kv_ahead, None)
-        # Demand over each interval between observations: the prompt tokens computed, plus how fast the
-        # backlog grew (a lone observation has no interval: what it computed).
-        computed = [sum(r.prompt_tokens_per_s for r in obs.replicas) for obs in reporting]
-        backlog = [sum(r.num_pending_prompt_tokens for r in obs.replicas) for obs in reporting]
-        intervals = [i for i in range(1, len(reporting)) if times[i] > times[i - 1]]
-        demand = [computed[i] + (backlog[i] - backlog[i - 1]) / (times[i] - times[i - 1]) for i in intervals]
-        if not intervals:
-            demand = [computed[-1]]
+        _, demand = prompt_demand(reporting)
         return PoolLoad(kv, kv_ahead, max(0.0, fmean(demand)) / self.config.prefill_tokens_per_s)
 
     def _sizes(self, load: PoolLoad, high: bool) -> list[tuple[int, Reason]]:
@@ -264,7 +272,7 @@ class OngoingRequestsPolicy:
     def __init__(self, config: AutoscalingConfig = AutoscalingConfig(policy="ray_default")) -> None:
         self.config = config
         self.direction_since: tuple[int, float] | None = None
-        self.stabilizer = _Stabilizer(config, hpa_behaviour=False)
+        self.stabilizer = Stabilizer(config, hpa_behaviour=False)
 
     def decide(self, observation: PoolObservation) -> Decision:
         config, current, now = self.config, observation.num_replicas, observation.time_s
@@ -288,19 +296,10 @@ class QueueDepthPolicy:
 
     def __init__(self, config: AutoscalingConfig = AutoscalingConfig(policy="queue_depth")) -> None:
         self.config = config
-        self.stabilizer = _Stabilizer(config)
+        self.stabilizer = Stabilizer(config)
 
     def decide(self, observation: PoolObservation) -> Decision:
         ongoing = observation.num_ongoing
         wanted = math.ceil(ongoing / self.config.target_queue_per_replica)
         return self.stabilizer.apply(observation.time_s, observation.num_replicas,
                                      Decision(wanted, "queue_depth", f"{ongoing} ongoing"))
-
-
-POLICIES: dict[str, type] = {"kv_cache": KVCachePolicy, "ray_default": OngoingRequestsPolicy,
-                             "queue_depth": QueueDepthPolicy}
-
-
-def make_policy(config: AutoscalingConfig) -> Policy:
-    """The policy ``config.policy`` names, reading ``config``'s knobs."""
-    return POLICIES[config.policy](config)

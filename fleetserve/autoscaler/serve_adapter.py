@@ -18,7 +18,8 @@ from typing import Any
 
 import ray
 
-from fleetserve.autoscaler.policy import PoolObservation, make_policy
+from fleetserve.autoscaler.policies import make_policy
+from fleetserve.autoscaler.policy import PoolObservation
 from fleetserve.platform.config import AutoscalingConfig
 from fleetserve.platform.replica_report import ReplicaReport
 
@@ -27,7 +28,7 @@ METRICS_ACTOR = "fleetserve-autoscaler-metrics"
 METRICS_NAMESPACE = "fleetserve"
 # The report's fields that travel as Serve's custom autoscaling metrics (floats by name), and those that are counts.
 METRIC_FIELDS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "prompt_tokens_per_s",
-                 "num_pending_prompt_tokens", "ttft_s")
+                 "first_tokens_per_s", "num_pending_prompt_tokens", "ttft_s")
 COUNT_FIELDS = frozenset({"num_waiting", "num_running", "num_pending_prompt_tokens"})
 
 

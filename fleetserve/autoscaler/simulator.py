@@ -20,28 +20,9 @@ from statistics import fmean
 import numpy as np
 
 from fleetserve.autoscaler.policy import Decision, Policy, PoolObservation
+from fleetserve.platform.config import ReplicaProfile
 from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.autoscaler.traces import TraceRequest
-
-
-@dataclass(frozen=True)
-class ReplicaProfile:
-    """What one replica does, measured on real hardware (see benchmarks/autoscaling.py)."""
-
-    # KV-cache capacity in tokens (KV bytes / KV bytes per token).
-    kv_capacity_tokens: int = 16384
-    # Prompt tokens prefilled per second when prefill has the engine to itself.
-    prefill_tokens_per_s: float = 4000.0
-    # One decode step takes decode_step_base_s + decode_step_per_seq_s * batch.
-    decode_step_base_s: float = 0.010
-    decode_step_per_seq_s: float = 0.001
-    # Most sequences running at once (max_num_seqs) and tokens per step (max_num_batched_tokens).
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # Seconds from "add a replica" to serving (process start, weight load, warm-up).
-    startup_s: float = 30.0
-    # Fixed latency each request's first token carries beyond engine steps (API, IPC, scheduling).
-    request_overhead_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +31,14 @@ class SLO:
 
     ttft_s: float = 2.0
     tpot_s: float = 0.1
+
+
+def step_duration(profile: ReplicaProfile, num_decodes: int, num_decode_kv_tokens: int, num_prefill_tokens: int) -> float:
+    """Seconds one engine step takes: decoding ``num_decodes`` sequences that hold ``num_decode_kv_tokens`` of KV,
+    plus prefilling ``num_prefill_tokens``."""
+    return (profile.decode_step_base_s + profile.decode_step_per_seq_s * num_decodes
+            + profile.decode_step_per_kv_token_s * num_decode_kv_tokens
+            + num_prefill_tokens / profile.prefill_tokens_per_s)
 
 
 @dataclass
@@ -81,8 +70,9 @@ class _Replica:
     # Routed here but not scheduled yet; preempted requests go back to the front.
     waiting: deque[_Request] = field(default_factory=deque)
     recent_ttfts: list[float] = field(default_factory=list)
-    # Prompt tokens prefilled since the last decision (what the engine reports as computed).
+    # Prompt tokens prefilled, and tokens generated, since the last decision (what the engine reports).
     recent_prompt_tokens: int = 0
+    recent_generated_tokens: int = 0
     num_preemptions: int = 0
     # KV tokens allocated to running requests (the sum of their kv_tokens, kept as they change).
     used_tokens: int = 0
@@ -153,12 +143,12 @@ class _Replica:
         """Runs one engine step from ``clock_s`` (schedule, run, postprocess); returns its duration."""
         decodes, chunks = self._schedule(profile)
         prefill_tokens = sum(tokens for _, tokens in chunks)
-        duration = (profile.decode_step_base_s + profile.decode_step_per_seq_s * len(decodes)
-                    + prefill_tokens / profile.prefill_tokens_per_s)
+        duration = step_duration(profile, len(decodes), sum(r.kv_tokens for r in decodes), prefill_tokens)
         end = self.clock_s + duration
         self.recent_prompt_tokens += prefill_tokens
         self.used_tokens += prefill_tokens + len(decodes)
         advanced = list(decodes)  # requests that produced a token this step
+        self.recent_generated_tokens += len(decodes)
         for request in decodes:
             request.kv_tokens += 1
             request.generated += 1
@@ -167,6 +157,7 @@ class _Replica:
             request.prefilled += tokens
             if request.prefilled >= request.to_prefill:  # the last chunk of a prefill yields the next token
                 request.generated += 1
+                self.recent_generated_tokens += 1
                 advanced.append(request)
                 if request.first_token_s is None:
                     request.first_token_s = end + profile.request_overhead_s
@@ -313,10 +304,13 @@ def _decide(policy: Policy, replicas: list[_Replica], queue: deque, now: float,
         signals.append(ReplicaReport(kv_cache_usage=usage, num_waiting=len(replica.waiting),
                                       num_running=len(replica.running),
                                       prompt_tokens_per_s=replica.recent_prompt_tokens / interval_s,
+                                      first_tokens_per_s=len(replica.recent_ttfts) / interval_s,
+                                      tokens_per_s=(replica.recent_prompt_tokens
+                                                    + replica.recent_generated_tokens) / interval_s,
                                       num_pending_prompt_tokens=pending,
                                       ttft_s=fmean(replica.recent_ttfts) if replica.recent_ttfts else None))
         ttfts += replica.recent_ttfts
-        replica.recent_ttfts, replica.recent_prompt_tokens = [], 0
+        replica.recent_ttfts, replica.recent_prompt_tokens, replica.recent_generated_tokens = [], 0, 0
     serving = [r for r in replicas if not r.draining]
     observation = PoolObservation(now, len(serving), tuple(signals), len(queue))
     decision = policy.decide(observation)

@@ -13,28 +13,38 @@ from rich.console import Console
 from rich.table import Table
 
 from fleetserve.cli.errors import console, fail
-from fleetserve.autoscaler.policy import make_policy
-from fleetserve.platform.config import AutoscalingConfig, ConfigError, parse_section
-from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, SimResult, simulate
-from fleetserve.autoscaler.traces import TraceRequest, from_bench, synthetic
+from fleetserve.autoscaler.policies import make_policy
+from fleetserve.platform.config import AutoscalingConfig, ConfigError, ReplicaProfile, parse_section
+from fleetserve.autoscaler.simulator import SLO, SimResult, simulate
+from fleetserve.autoscaler.traces import TraceRequest, from_bench, from_csv, synthetic
 
 autoscale_app = typer.Typer(help="Autoscaling policies: simulate them on a trace before production.",
                             no_args_is_help=True)
 
 
-def load_trace(spec: str, seed: int = 0) -> list[TraceRequest]:
-    """A bench result file (``fleetserve bench --save-detailed``) or a synthetic spec (see traces.synthetic)."""
+def load_trace(spec: str, seed: int = 0, rate_scale: float = 1.0) -> list[TraceRequest]:
+    """A recorded trace CSV (timestamp, prompt tokens, output tokens), a bench result file (``fleetserve bench
+    --save-detailed``) or a synthetic spec (see traces.synthetic); ``rate_scale`` speeds it up."""
     path = Path(spec)
+    if path.suffix.lower() == ".csv":
+        return from_csv(path, rate_scale)
     if path.exists():
-        return from_bench(path)
-    return synthetic(spec, seed)
+        requests = from_bench(path)
+    else:
+        requests = synthetic(spec, seed)
+    if rate_scale <= 0:
+        raise ValueError(f"--rate-scale must be positive, got {rate_scale:g}")
+    return [TraceRequest(r.arrival_s / rate_scale, r.prompt_tokens, r.output_tokens) for r in requests]
 
 
-def _autoscaling(path: Path) -> AutoscalingConfig:
-    """An ``autoscaling:`` block from a file holding just the block, or the block under an ``autoscaling`` key."""
+def _autoscaling(path: Path, profile: ReplicaProfile | None = None) -> AutoscalingConfig:
+    """An ``autoscaling:`` block from a file holding just the block, or the block under an ``autoscaling`` key.
+    A ``slo`` block without its own profile sizes the pool on ``profile``, the simulated replica's."""
     data = _yaml(path)
     if set(data) == {"autoscaling"}:
         data = data["autoscaling"]
+    if data.get("policy") == "slo" and "profile" not in data and profile is not None:
+        data = {**data, "profile": profile.model_dump()}
     return parse_section(AutoscalingConfig, data, str(path))
 
 
@@ -106,8 +116,10 @@ def plot_timeline(results: list[SimResult], trace: list[TraceRequest], path: Pat
 
 @autoscale_app.command("simulate")
 def simulate_command(
-    trace: Annotated[str, typer.Option(help="A `fleetserve bench --save-detailed` result, or ramp:DURATION:START:END, "
-                                            "bursts:DURATION:BASE:BURST[:BURSTINESS], day:DURATION:TROUGH:PEAK.")],
+    trace: Annotated[str, typer.Option(help="A recorded trace CSV (timestamp, prompt tokens, output tokens, as Azure's "
+                                            "LLM inference traces), a `fleetserve bench --save-detailed` result, or "
+                                            "ramp:DURATION:START:END, bursts:DURATION:BASE:BURST[:BURSTINESS], "
+                                            "day:DURATION:TROUGH:PEAK.")],
     policy: Annotated[Path, typer.Option(help="A model's autoscaling block as YAML, exactly as the platform config takes "
                                               "it, e.g. {policy: kv_cache, target_high: 0.75, max_replicas: 8}.")],
     compare: Annotated[Optional[list[Path]], typer.Option(help="More policy YAMLs to run on the same trace.")] = None,
@@ -118,23 +130,25 @@ def simulate_command(
     plot: Annotated[Optional[Path], typer.Option(help="Write the timeline PNG here.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the summaries as JSON here.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for synthetic traces.")] = 0,
+    rate_scale: Annotated[float, typer.Option(help="Play the trace this many times faster (2 plays an hour in 30 "
+                                                   "minutes), to load a given fleet.")] = 1.0,
 ) -> None:
     """Replays a trace against each policy and compares SLO attainment and replica-seconds."""
     try:
-        requests = load_trace(trace, seed)
+        requests = load_trace(trace, seed, rate_scale)
     except ValueError as error:
         raise fail(str(error)) from None
     if not requests:
         raise fail(f"trace {trace} has no requests")
     try:
-        replica = ReplicaProfile(**_yaml(profile)) if profile else ReplicaProfile()
-    except TypeError as error:
-        raise fail(f"bad replica profile: {error}") from None
+        replica = parse_section(ReplicaProfile, _yaml(profile), str(profile)) if profile else ReplicaProfile()
+    except ConfigError as error:
+        raise fail(str(error)) from None
     slo = SLO(slo_ttft, slo_tpot)
     results = []
     for path in [policy, *(compare or [])]:
         try:
-            policy_object = make_policy(_autoscaling(path))
+            policy_object = make_policy(_autoscaling(path, replica))
             console.print(f"simulating {path.stem} on {len(requests)} requests ...")
             results.append(simulate(requests, policy_object, replica, slo, initial_replicas, name=path.stem))
         except ValueError as error:  # ConfigError names its file and keys itself
@@ -144,5 +158,5 @@ def simulate_command(
         plot_timeline(results, requests, plot, f"{trace} ({len(requests)} requests)")
         console.print(f"timeline: {plot}")
     if json_out is not None:
-        json_out.write_text(json.dumps({"trace": trace, "slo": slo.__dict__, "profile": replica.__dict__,
+        json_out.write_text(json.dumps({"trace": trace, "slo": slo.__dict__, "profile": replica.model_dump(),
                                         "results": {r.policy: r.summary() for r in results}}, indent=2) + "\n")

@@ -33,6 +33,9 @@ class ReplicaReport:
     # Prompt tokens the engine computed itself per second since the previous report (prefix-cache hits
     # and KV received from a prefill replica excluded: no work here).
     prompt_tokens_per_s: float = 0.0
+    # Requests that got their first token, per second since the previous report (with prompt_tokens_per_s,
+    # the mean prompt a request brings).
+    first_tokens_per_s: float = 0.0
     # Mean time to first token of requests that got one since the previous report; None when none did.
     ttft_s: float | None = None
 
@@ -66,6 +69,7 @@ class ReplicaReporter:
             firsts = stats.num_first_tokens - before.num_first_tokens
             rates = {"tokens_per_s": tokens / seconds,
                      "prompt_tokens_per_s": (stats.num_computed_prompt_tokens - before.num_computed_prompt_tokens) / seconds,
+                     "first_tokens_per_s": firsts / seconds,
                      "ttft_s": (stats.ttft_sum_s - before.ttft_sum_s) / firsts if firsts > 0 else None}
         return ReplicaReport(replica_id=self.replica_id, pool=self.pool, kv_cache_usage=stats.kv_cache_usage,
                              num_running=stats.num_running, num_waiting=stats.num_waiting,

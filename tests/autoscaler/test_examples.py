@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetserve.autoscaler.policy import POLICIES, make_policy
+from fleetserve.autoscaler.policies import POLICIES, make_policy
 from fleetserve.platform.config import AutoscalingConfig, parse_config, parse_section
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples" / "autoscaling").glob("*.yaml"))

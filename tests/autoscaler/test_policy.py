@@ -9,8 +9,8 @@ from fleetserve.autoscaler.policy import (
     OngoingRequestsPolicy,
     PoolObservation,
     QueueDepthPolicy,
-    make_policy,
 )
+from fleetserve.autoscaler.policies import make_policy
 from fleetserve.platform.config import AutoscalingConfig, ConfigError, parse_section
 from fleetserve.platform.replica_report import ReplicaReport
 
@@ -142,11 +142,11 @@ def test_make_policy_runs_the_policy_the_block_names_with_its_knobs():
 
 
 @pytest.mark.parametrize(("block", "message"), [
-    ({"policy": "hpa"}, "policy: Input should be 'kv_cache', 'ray_default' or 'queue_depth' (got 'hpa')"),
+    ({"policy": "hpa"}, "policy: Input should be 'kv_cache', 'ray_default', 'queue_depth' or 'slo' (got 'hpa')"),
     ({"target_hgih": 0.6}, "target_hgih: unknown key"),
     # Serve's own policy reads none of the KV rule's knobs, nor our step limits: they would do nothing.
     ({"policy": "ray_default", "target_high": 0.6, "max_step_up": 4},
-     "policy ray_default does not read max_step_up (kv_cache/queue_depth only), target_high (kv_cache only)"),
+     "policy ray_default does not read max_step_up (kv_cache/queue_depth only), target_high (kv_cache/slo only)"),
     ({"policy": "kv_cache", "target_ongoing_requests": 8}, "target_ongoing_requests (ray_default only)"),
 ])
 def test_a_block_with_a_bad_or_foreign_knob_is_refused_naming_it(block, message):

@@ -9,7 +9,8 @@ from typer.testing import CliRunner
 
 from fleetserve.autoscaler.policy import KVCachePolicy, QueueDepthPolicy
 from fleetserve.platform.config import AutoscalingConfig
-from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, simulate
+from fleetserve.autoscaler.simulator import SLO, simulate, step_duration
+from fleetserve.platform.config import ReplicaProfile
 from fleetserve.autoscaler.traces import TraceRequest, bursts, synthetic
 from fleetserve.cli.main import app
 
@@ -27,6 +28,21 @@ def test_one_request_prefills_then_decodes_one_token_per_step():
     assert result.ttfts[0] == pytest.approx(0.16)
     # Steps 2 and 3 decode one sequence each: 0.01 + 0.001 = 0.011 s; TPOT = 0.022 / 2.
     assert result.tpots[0] == pytest.approx(0.011)
+
+
+def test_decode_steps_slow_with_the_kv_their_sequences_hold():
+    profile = PROFILE.model_copy(update={"decode_step_per_kv_token_s": 1e-4})
+    result = simulate([TraceRequest(0.0, prompt_tokens=600, output_tokens=3)], fixed(1), profile)
+    # Step 1 prefills 600 tokens, no decode: 0.01 + 600 / 4000 = 0.16 s. Step 2 decodes the sequence holding
+    # 600 tokens of KV: 0.01 + 0.001 + 600 x 1e-4 = 0.071 s; step 3 holds 601: 0.0711 s. TPOT = 0.1421 / 2.
+    assert result.ttfts[0] == pytest.approx(0.16)
+    assert result.tpots[0] == pytest.approx(0.07105)
+
+
+def test_step_duration_adds_base_batch_context_and_prefill():
+    profile = PROFILE.model_copy(update={"decode_step_per_kv_token_s": 1e-6})
+    # 0.01 + 4 x 0.001 + 2,000 x 1e-6 + 500 / 4,000 = 0.01 + 0.004 + 0.002 + 0.125.
+    assert step_duration(profile, 4, 2000, 500) == pytest.approx(0.141)
 
 
 def test_kv_exhaustion_preempts_the_newest_request_which_recomputes_after():
@@ -96,5 +112,27 @@ def test_simulate_command_compares_policies_and_writes_plot(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("policy: hpa\n")
     result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", "ramp:10:1:2", "--policy", str(bad)])
-    assert result.exit_code == 2 and "policy: Input should be 'kv_cache', 'ray_default' or 'queue_depth'" in result.output
+    assert result.exit_code == 2 and "policy: Input should be 'kv_cache', 'ray_default', 'queue_depth' or 'slo'" in result.output
     assert QueueDepthPolicy().config.target_queue_per_replica == 4.0
+
+
+def test_simulate_command_replays_a_recorded_trace_csv_faster(tmp_path):
+    trace = tmp_path / "trace.csv"
+    # 40 requests, one every 2 s: 78 s of trace, 39 s at --rate-scale 2.
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     + "".join(f"{2 * i},{200},{20}\n" for i in range(40)))
+    slo = tmp_path / "slo.yaml"
+    slo.write_text("policy: slo\nttft_p99_s: 2\ntpot_p99_s: 0.05\nmax_replicas: 4\n")
+    profile = tmp_path / "profile.yaml"
+    profile.write_text("kv_capacity_tokens: 4000\nprefill_tokens_per_s: 2000\nstartup_s: 5\n")
+    result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", str(trace), "--rate-scale", "2",
+                                      "--policy", str(slo), "--profile", str(profile), "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "r.json").read_text())
+    # The slo block took the simulated replica's profile; one light request per second fits one replica.
+    assert summary["profile"]["kv_capacity_tokens"] == 4000
+    assert summary["results"]["slo"]["slo_attainment"] == 1.0 and summary["results"]["slo"]["max_replicas"] == 1
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,x,3\n")
+    result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", str(bad), "--policy", str(slo)])
+    assert result.exit_code == 2 and "bad.csv:2: expected a timestamp and two token counts" in result.output

@@ -5,7 +5,7 @@ every error names the offending key path, e.g. ``models.0.engine_args.dtype``.
 
 * ``base``: strict sections and ``ConfigError``.
 * ``engine``: ``EngineArgs`` (vLLM's), ``ApiConfig`` (vLLM's OpenAI server flags), ``Resources``.
-* ``autoscaling``: ``AutoscalingConfig``, shared by the platform and the simulator.
+* ``autoscaling``: ``AutoscalingConfig`` and ``ReplicaProfile``, shared by the platform and the simulator.
 * ``routing``: ``RoutingConfig`` (replicas) and ``ModelRoutingConfig`` (routed model names).
 * ``disaggregation``: prefill and decode pools.
 * ``model``: ``ModelConfig``, one served model.
@@ -15,7 +15,7 @@ every error names the offending key path, e.g. ``models.0.engine_args.dtype``.
 How Serve runs a config (deployment options) is the serving layer's: ``fleetserve.deployments.serve_options``.
 """
 
-from fleetserve.platform.config.autoscaling import AutoscalingConfig
+from fleetserve.platform.config.autoscaling import AutoscalingConfig, ReplicaProfile
 from fleetserve.platform.config.base import ConfigError, MiB, parse_section
 from fleetserve.platform.config.disaggregation import POOLS, DisaggregationConfig, PoolConfig
 from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, ApiConfig, EngineArgs, Resources
@@ -26,5 +26,5 @@ from fleetserve.platform.config.routing import ModelRoute, ModelRoutingConfig, R
 
 __all__ = ["APIKeyConfig", "ApiConfig", "AuthConfig", "AutoscalingConfig", "ConfigError", "DisaggregationConfig",
            "EngineArgs", "KV_LAYOUT_ARGS", "LimitsConfig", "MiB", "ModelConfig", "ModelRoute", "ModelRoutingConfig",
-           "POOLS", "PlatformConfig", "PoolConfig", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
+           "POOLS", "PlatformConfig", "PoolConfig", "ReplicaProfile", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
            "default_config", "load_config", "parse_config", "parse_section"]

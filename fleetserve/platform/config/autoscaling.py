@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from fleetserve.platform.config.base import Strict
 
-AutoscalingPolicyName = Literal["kv_cache", "ray_default", "queue_depth"]
+AutoscalingPolicyName = Literal["kv_cache", "ray_default", "queue_depth", "slo"]
 
 # Knobs every policy reads.
 COMMON_KNOBS = frozenset({"policy", "min_replicas", "max_replicas", "pool", "metrics_interval_s"})
@@ -24,14 +24,44 @@ POLICY_KNOBS: dict[str, frozenset[str]] = {
     "ray_default": frozenset({"target_ongoing_requests", "upscale_delay_s", "downscale_delay_s"}),
     "queue_depth": frozenset({"target_queue_per_replica", "max_step_up", "max_step_down", "upscale_stabilization_s",
                               "downscale_stabilization_s", "decision_period_s"}),
+    # Derives its thresholds from the SLOs and the profile; the kv_cache knobs it shares are overrides.
+    "slo": frozenset({"ttft_p99_s", "tpot_p99_s", "profile", "window_s", "decision_period_s", "target_high",
+                      "target_prefill_high", "scale_down_cooldown_s", "idle_to_zero_s"}),
 }
+
+
+class ReplicaProfile(Strict):
+    """What one replica of a model does on its hardware: measured by ``benchmarks/autoscaling.py
+    calibrate``, or derived for a GPU shape. The simulator replays it; the ``slo`` policy sizes pools on it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # KV-cache capacity in tokens (KV bytes / KV bytes per token).
+    kv_capacity_tokens: int = Field(default=16384, gt=0)
+    # Prompt tokens prefilled per second when prefill has the engine to itself.
+    prefill_tokens_per_s: float = Field(default=4000.0, gt=0)
+    # One decode step takes decode_step_base_s + decode_step_per_seq_s * batch
+    # + decode_step_per_kv_token_s * (KV tokens the batch's sequences hold): decode reads every running
+    # sequence's whole KV each step, so long contexts slow it (memory bandwidth, not compute).
+    decode_step_base_s: float = Field(default=0.010, gt=0)
+    decode_step_per_seq_s: float = Field(default=0.001, ge=0)
+    decode_step_per_kv_token_s: float = Field(default=0.0, ge=0)
+    # Most sequences running at once (max_num_seqs) and tokens per step (max_num_batched_tokens).
+    max_num_seqs: int = Field(default=64, gt=0)
+    max_num_batched_tokens: int = Field(default=2048, gt=0)
+    # Seconds from "add a replica" to serving (process start, weight load, warm-up).
+    startup_s: float = Field(default=30.0, ge=0)
+    # Fixed latency each request's first token carries beyond engine steps (API, IPC, scheduling).
+    request_overhead_s: float = Field(default=0.0, ge=0)
 
 
 class AutoscalingConfig(Strict):
     """Replica autoscaling for one pool (replaces a fixed replica count).
 
     ``kv_cache`` is fleetserve's policy (``fleetserve.autoscaler.policy.KVCachePolicy``): it scales on KV
-    usage, prefill work, queued requests and TTFT. ``ray_default`` is Ray Serve's ongoing-requests policy
+    usage, prefill work, queued requests and TTFT. ``slo`` (``fleetserve.autoscaler.slo_policy.SLOPolicy``)
+    derives its thresholds from p99 TTFT and TPOT targets and a replica profile, and sizes the pool for
+    the demand it forecasts one start-up ahead. ``ray_default`` is Ray Serve's ongoing-requests policy
     (served by Serve itself). ``queue_depth`` is a KEDA-style queue-length scaler, for comparison.
     """
 
@@ -83,6 +113,11 @@ class AutoscalingConfig(Strict):
     downscale_delay_s: float = Field(default=600, ge=0)
     # queue_depth: requests not yet finished per replica it aims for (KEDA's queue-length target).
     target_queue_per_replica: float = Field(default=4.0, gt=0)
+    # slo: the latency targets a pool is sized to meet at the 99th percentile.
+    ttft_p99_s: float | None = Field(default=None, gt=0)
+    tpot_p99_s: float | None = Field(default=None, gt=0)
+    # slo: what one replica of this model does (its prefill and decode speed, KV capacity, start-up).
+    profile: ReplicaProfile | None = None
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingConfig:
@@ -93,6 +128,15 @@ class AutoscalingConfig(Strict):
         if self.target_prefill_low >= self.target_prefill_high:
             raise ValueError(f"target_prefill_low ({self.target_prefill_low}) must be below target_prefill_high "
                              f"({self.target_prefill_high})")
+        return self
+
+    @model_validator(mode="after")
+    def _slo_inputs(self) -> AutoscalingConfig:
+        if self.policy == "slo":
+            missing = [knob for knob in ("ttft_p99_s", "tpot_p99_s", "profile") if getattr(self, knob) is None]
+            if missing:
+                raise ValueError(f"policy slo needs {', '.join(missing)}: it sizes the pool from the SLOs and "
+                                 f"a replica profile (benchmarks/autoscaling.py calibrate measures one)")
         return self
 
     @model_validator(mode="after")

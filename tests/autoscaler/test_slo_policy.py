@@ -1,0 +1,193 @@
+"""The SLO-driven policy: thresholds derived from the SLOs and the profile, the forecast, and the sizing,
+each with the arithmetic in comments."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fleetserve.autoscaler.policies import make_policy
+from fleetserve.autoscaler.policy import PoolObservation
+from fleetserve.autoscaler.slo_policy import (
+    MIN_PREFILL_UTILIZATION,
+    Demand,
+    SLOPolicy,
+    forecast,
+    prefill_utilization_for,
+    tpot_p99,
+)
+from fleetserve.platform.config import AutoscalingConfig, ConfigError, ReplicaProfile, parse_section
+from fleetserve.platform.replica_report import ReplicaReport
+
+PROFILE = ReplicaProfile(kv_capacity_tokens=10_000, prefill_tokens_per_s=1000, decode_step_base_s=0.01,
+                         decode_step_per_seq_s=0.001, max_num_seqs=64, startup_s=10)
+
+
+def slo_policy(**knobs) -> SLOPolicy:
+    """TTFT p99 2 s, TPOT p99 50 ms, PROFILE, 1-8 replicas unless given."""
+    given = {"policy": "slo", "ttft_p99_s": 2.0, "tpot_p99_s": 0.05, "profile": PROFILE, "min_replicas": 1,
+             "max_replicas": 8, **knobs}
+    return SLOPolicy(AutoscalingConfig(**given))
+
+
+def report(prompt_tokens_per_s: float = 0.0, firsts_per_s: float = 0.0, kv: float = 0.0, running: int = 0,
+           waiting: int = 0, pending: int = 0) -> ReplicaReport:
+    return ReplicaReport(kv_cache_usage=kv, num_running=running, num_waiting=waiting,
+                         num_pending_prompt_tokens=pending, prompt_tokens_per_s=prompt_tokens_per_s,
+                         first_tokens_per_s=firsts_per_s)
+
+
+def test_prefill_utilization_meets_the_ttft_p99_of_an_mm1_queue():
+    # At rho 0.5 and 0.1 s of service, the p99 wait is 0.1 * ln(0.5 / 0.01) / (1 - 0.5) = 0.7824 s; with the
+    # prompt's own 0.1 s that is a TTFT of 0.8824 s, so that target allows exactly rho 0.5.
+    assert prefill_utilization_for(0.1 + 0.1 * math.log(50) / 0.5, 0.1) == pytest.approx(0.5, abs=1e-6)
+    # A looser target allows more; a prompt that alone takes the target leaves the floor.
+    assert prefill_utilization_for(4.0, 0.1) > prefill_utilization_for(2.0, 0.1) > 0.5
+    assert prefill_utilization_for(0.1, 0.2) == MIN_PREFILL_UTILIZATION
+
+
+def test_forecast_projects_a_ramp_along_its_line():
+    # 10 more per second: at t = 3 + 5 the line gives 40 + 5 * 10 = 90.
+    assert forecast([0, 1, 2, 3], [10, 20, 30, 40], 5) == pytest.approx(90)
+
+
+def test_forecast_never_falls_below_the_window_mean():
+    # A falling ramp projects below zero; the mean, 25, is the floor.
+    assert forecast([0, 1, 2, 3], [40, 30, 20, 10], 5) == pytest.approx(25)
+    assert forecast([7], [12], 5) == 12
+
+
+def test_prefill_demand_sizes_the_pool_at_the_allowed_utilization():
+    sizing = slo_policy(target_prefill_high=0.5).size(Demand(1600, 0, 0, 100))
+    # 1,600 tokens/s over 1,000 per replica at most 0.5 utilized: 1.6 / 0.5 = 3.2, so 4 replicas.
+    assert (sizing.num_replicas, sizing.reason) == (4, "slo_prefill")
+
+
+def test_prefill_utilization_is_derived_from_the_ttft_target_unless_overridden():
+    # 100-token prompts at 1,000 tokens/s are 0.1 s of service; TTFT p99 2 s allows rho = prefill_utilization_for(2, 0.1).
+    rho = prefill_utilization_for(2.0, 0.1)
+    sizing = slo_policy().size(Demand(1600, 0, 0, 100))
+    assert sizing.prefill_utilization == pytest.approx(rho)
+    assert sizing.num_replicas == math.ceil(1.6 / rho)
+
+
+def test_kv_demand_sizes_a_decode_pool_at_the_kv_fill():
+    sizing = slo_policy(pool="decode").size(Demand(5000, 20_000, 30, 100, 100))
+    # Prefill is not a decode pool's load. KV: 20,000 tokens over 0.9 x 10,000 per replica = 2.2, so 3.
+    # TPOT: a step of 30 / 3 = 10 sequences takes 0.01 + 10 x 0.001 = 0.02 s, within 50 ms.
+    assert (sizing.num_replicas, sizing.reason) == (3, "slo_kv")
+    assert sizing.tpot_p99_s == pytest.approx(0.02)
+
+
+def test_decode_steps_cost_the_kv_they_read():
+    profile = PROFILE.model_copy(update={"decode_step_per_kv_token_s": 1e-5})
+    sizing = slo_policy(pool="decode", profile=profile).size(Demand(0, 5000, 100, 100, 100))
+    # A step over n replicas: 0.01 + (100 / n) x 0.001 + (5,000 / n) x 1e-5 = 0.01 + 0.15 / n s; within
+    # 50 ms from n = 4 (0.0475 s); 3 give 0.06 s.
+    assert (sizing.num_replicas, sizing.reason) == (4, "slo_tpot")
+    assert sizing.tpot_p99_s == pytest.approx(0.0475)
+
+
+def test_tpot_p99_counts_the_prefills_a_request_lives_through():
+    demand = Demand(500, 0, 10, 100, 101)
+    # 1 replica: half its time prefills (500 / 1,000); a step of 10 sequences is 0.01 + 10 x 0.001 = 0.02 s,
+    # so a 101-token request lives 101 x 0.02 / 0.5 = 4.04 s, through 5 prompts/s x 4.04 = 20.2 prefills
+    # on average, 20.2 + 2.326 x sqrt(20.2) = 30.654 at p99, each 100 / 1,000 = 0.1 s, spread over its
+    # 100 later tokens: 0.02 + 30.654 x 0.1 / 100 = 0.050654 s.
+    assert tpot_p99(PROFILE, demand, 1) == pytest.approx(0.050654, abs=1e-6)
+    # 2 replicas: share 0.25, step 0.015 s, 2.5 x 101 x 0.015 / 0.75 = 5.05 prefills, 10.2772 at p99:
+    # 0.015 + 0.0102772 = 0.0252772 s. TPOT 50 ms therefore needs 2 replicas, though prefill fits one.
+    assert tpot_p99(PROFILE, demand, 2) == pytest.approx(0.0252772, abs=1e-6)
+    sizing = slo_policy().size(demand)
+    assert (sizing.num_replicas, sizing.reason) == (2, "slo_tpot")
+
+
+def test_a_prefill_pool_ignores_kv_and_sequences():
+    sizing = slo_policy(pool="prefill", target_prefill_high=0.5).size(Demand(900, 90_000, 500, 100))
+    # 0.9 / 0.5 = 1.8, so 2 replicas; its KV is transient and its sequences are handed to decode.
+    assert (sizing.num_replicas, sizing.reason) == (2, "slo_prefill")
+
+
+def test_demand_too_big_for_max_replicas_asks_for_max():
+    sizing = slo_policy(target_prefill_high=0.5).size(Demand(100_000, 0, 0, 100))
+    assert (sizing.num_replicas, sizing.reason) == (8, "slo_prefill")
+
+
+def test_decide_scales_up_for_the_demand_forecast_one_startup_ahead():
+    policy = slo_policy(target_prefill_high=0.5, window_s=30)
+    decision = None
+    for t, rate in enumerate([100, 200, 300, 400, 500]):
+        decision = policy.decide(PoolObservation(float(t), 1, (report(rate, rate / 100),)))
+    # Demand over the intervals ending at 1-4 s: 200, 300, 400, 500 tokens/s (no backlog), rising 100 per
+    # second. One start-up (10 s) plus one decision (1 s) past 4 s: 500 + 11 x 100 = 1,600 tokens/s, which
+    # needs 1.6 / 0.5 = 3.2, so 4 replicas, though 500 tokens/s fit one now.
+    assert (decision.desired_replicas, decision.reason) == (4, "slo_prefill")
+
+
+def test_backlog_is_drained_within_the_ttft_target():
+    policy = slo_policy(target_prefill_high=0.5)
+    decision = policy.decide(PoolObservation(0.0, 1, (report(0, 0, pending=3000),)))
+    # A lone observation: demand is what it computed (0) plus 3,000 pending tokens within 2 s = 1,500
+    # tokens/s; 1.5 / 0.5 = 3 replicas.
+    assert (decision.desired_replicas, decision.reason) == (3, "slo_prefill")
+
+
+def test_mean_prompt_is_measured_from_computed_tokens_per_first_token():
+    policy = slo_policy()
+    policy.decide(PoolObservation(0.0, 1, (report(2000, 4),)))
+    # 2,000 prompt tokens/s over 4 first tokens/s: 500-token prompts.
+    assert policy.demand().mean_prompt_tokens == 500
+
+
+def test_scale_down_waits_one_startup_then_goes_to_the_most_needed_since():
+    policy = slo_policy(target_prefill_high=0.5, window_s=1)
+    # 4 x 1,600 = 6,400 tokens/s needs 6.4 / 0.5 = 12.8: capped at 8. No request got a first token then, so
+    # the envelope does not weigh it.
+    assert policy.decide(PoolObservation(0.0, 4, (report(1600, 0),) * 4)).desired_replicas == 8
+    quiet = [policy.decide(PoolObservation(float(t), 8, (report(100, 1),) * 8)) for t in range(1, 12)]
+    # 8 x 100 = 800 tokens/s needs 2, but 8 were needed at 0 s: held through 10 s (one start-up), then 2.
+    assert [d.desired_replicas for d in quiet] == [8] * 10 + [2]
+    assert quiet[-1].reason == "slo_down" and quiet[0].reason == "hold"
+
+
+def test_scale_down_keeps_what_carried_99_percent_of_the_envelopes_requests():
+    policy = slo_policy(target_prefill_high=0.5, window_s=1)
+    # A burst: 64 requests/s got a first token while 8 replicas were needed.
+    policy.decide(PoolObservation(0.0, 4, (report(1600, 16),) * 4))
+    quiet = [policy.decide(PoolObservation(float(t), 8, (report(100, 1),) * 8)) for t in range(1, 53)]
+    # Then 8 requests/s needing 2. By 50 s the burst's 64 are 64 / (64 + 50 x 8) = 14% of the envelope's
+    # requests (5 start-ups, 50 s): 2 replicas would fail them, more than 1%, so 8 stay. At 51 s the burst
+    # has left the envelope.
+    assert [d.desired_replicas for d in quiet] == [8] * 50 + [2, 2]
+
+
+def test_scale_to_zero_after_idle_and_wake_on_work():
+    policy = slo_policy(min_replicas=0, idle_to_zero_s=5)
+    idle = [policy.decide(PoolObservation(float(t), 1, (report(),))) for t in range(7)]
+    # Idle from 0 s: at 5 s it has been idle for idle_to_zero_s.
+    assert [d.desired_replicas for d in idle][4:] == [1, 0, 0]
+    assert idle[5].reason == "idle_to_zero"
+    woken = policy.decide(PoolObservation(8.0, 0, (), num_queued=2))
+    assert (woken.desired_replicas, woken.reason) == (1, "wake")
+
+
+def test_make_policy_builds_the_slo_policy_from_its_block():
+    block = {"policy": "slo", "ttft_p99_s": 1.5, "tpot_p99_s": 0.04, "profile": {"kv_capacity_tokens": 5000,
+             "prefill_tokens_per_s": 2000, "startup_s": 30}, "max_replicas": 6}
+    policy = make_policy(parse_section(AutoscalingConfig, block, "pool.yaml"))
+    assert isinstance(policy, SLOPolicy)
+    # The hold is one start-up unless scale_down_cooldown_s overrides it; the KV fill 0.9 unless target_high does.
+    assert (policy.hold_s, policy.kv_fill, policy.ttft_s) == (30, 0.9, 1.5)
+
+
+@pytest.mark.parametrize("block, message", [
+    ({"policy": "slo", "ttft_p99_s": 2}, "policy slo needs tpot_p99_s, profile"),
+    ({"policy": "slo", "ttft_p99_s": 2, "tpot_p99_s": 0.05, "profile": {}, "kv_lookahead_s": 30},
+     "policy slo does not read kv_lookahead_s (kv_cache only)"),
+    ({"policy": "slo", "ttft_p99_s": 2, "tpot_p99_s": 0.05, "profile": {"startup": 30}}, "profile.startup: unknown key"),
+    ({"policy": "kv_cache", "ttft_p99_s": 2}, "ttft_p99_s (slo only)"),
+])
+def test_a_bad_slo_block_is_refused_naming_the_key(block, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_section(AutoscalingConfig, block, "pool.yaml")
