@@ -163,6 +163,8 @@ class SLOPolicy:
         # (time, replicas needed, requests served or queued then), over the envelope, for scale-down.
         self.envelope: deque[tuple[float, int, float]] = deque()
         self.envelope_s = ENVELOPE_STARTUPS * self.profile.startup_s
+        # How far ahead demand is forecast: a replica asked for now serves one start-up and one decision later.
+        self.horizon_s = self.profile.startup_s + config.decision_period_s
         self.idle_since: float | None = None
         # The last measured mean prompt, kept through windows without any first token.
         self.mean_prompt_tokens = float(self.profile.max_num_batched_tokens)
@@ -185,7 +187,7 @@ class SLOPolicy:
             self.mean_prompt_tokens = computed / firsts
         if firsts > 0 and generated > 0:
             self.mean_output_tokens = max(1.0, generated / firsts)
-        horizon = self.profile.startup_s + self.config.decision_period_s
+        horizon = self.horizon_s
         demand_times, prompt_rates = prompt_demand(reporting)
         backlog = sum(r.num_pending_prompt_tokens for r in reporting[-1].replicas)
         kv = [sum(r.kv_cache_usage for r in obs.replicas) * self.profile.kv_capacity_tokens for obs in reporting]
@@ -254,7 +256,7 @@ class SLOPolicy:
         while self.needs[0][0] < now - self.hold_s:
             self.needs.popleft()
         held = max(max(count for _, count in self.needs), self._envelope(observation, sizing.num_replicas))
-        detail = (f"forecast {self.profile.startup_s:g}s ahead: {demand.prompt_tokens_per_s:,.0f} prompt tokens/s "
+        detail = (f"forecast {self.horizon_s:g}s ahead: {demand.prompt_tokens_per_s:,.0f} prompt tokens/s "
                   f"(utilization <= {sizing.prefill_utilization:.2f} for TTFT p99 {self.ttft_s:g}s at "
                   f"{demand.mean_prompt_tokens:,.0f}-token prompts), {demand.kv_tokens:,.0f} KV tokens, "
                   f"{demand.num_sequences:.1f} sequences of {demand.mean_output_tokens:,.0f} tokens (TPOT p99 "

@@ -289,8 +289,9 @@ def bench(
     api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", show_default=False,
                                                    help="Sent as a bearer token (never saved with results).")] = None,
     api: Annotated[str, typer.Option(help="chat or completions.")] = "completions",
-    dataset_name: Annotated[str, typer.Option(help="random, shared-prefix, sharegpt or jsonl.")] = "random",
-    dataset_path: Annotated[Optional[Path], typer.Option(help="File for sharegpt / jsonl.")] = None,
+    dataset_name: Annotated[str, typer.Option(help="random, shared-prefix, sharegpt, jsonl, or trace (a recorded "
+                                                   "trace CSV: timestamp, prompt tokens, output tokens).")] = "random",
+    dataset_path: Annotated[Optional[Path], typer.Option(help="File for sharegpt / jsonl / trace.")] = None,
     num_prompts: Annotated[int, typer.Option(min=1)] = 100,
     max_seconds: Annotated[Optional[float], typer.Option(help="Stop sending after this long.")] = None,
     request_rate: Annotated[str, typer.Option(help="Requests/s: a number, inf, or a sweep list like 1,2,4,inf.")] = "inf",
@@ -307,6 +308,11 @@ def bench(
     shared_suffix_len: int = 32,
     shared_output_len: int = 32,
     output_len: Annotated[Optional[int], typer.Option(help="Override output length for sharegpt/jsonl.")] = None,
+    trace_start: Annotated[float, typer.Option(help="trace: where the replay starts, in the trace's seconds.")] = 0.0,
+    trace_duration: Annotated[Optional[float], typer.Option(help="trace: seconds of the trace to replay (default: to its end).")] = None,
+    rate_scale: Annotated[float, typer.Option(help="trace: play it this many times faster.")] = 1.0,
+    trace_length_scale: Annotated[float, typer.Option(help="trace: multiply every token count (fit a small model).")] = 1.0,
+    trace_max_len: Annotated[Optional[int], typer.Option(help="trace: cut prompts so prompt + output fit this context.")] = None,
     ignore_eos: Annotated[bool, typer.Option(help="Generate exactly max_tokens (vLLM's ignore_eos).")] = False,
     tokenizer: Annotated[Optional[str], typer.Option(help="HF folder or packaged id for exact prompt lengths.")] = None,
     metric_percentiles: str = "50,90,99",
@@ -342,19 +348,24 @@ def bench(
         elif dataset_name == "shared-prefix":
             specs = datasets.shared_prefix_dataset(num_prompts, shared_prefix_groups, shared_prefix_len,
                                                    shared_suffix_len, shared_output_len, maker)
-        elif dataset_name in ("sharegpt", "jsonl"):
+        elif dataset_name in ("sharegpt", "jsonl", "trace"):
             if dataset_path is None:
                 raise datasets.DatasetError(f"--dataset-name {dataset_name} needs --dataset-path")
-            specs = (datasets.sharegpt_dataset(dataset_path, num_prompts, maker, output_len)
-                     if dataset_name == "sharegpt" else
-                     datasets.jsonl_dataset(dataset_path, num_prompts, maker, output_len or random_output_len))
+            if dataset_name == "trace":
+                specs = _trace_specs(ctx, dataset_path, maker, trace_start, trace_duration, rate_scale,
+                                     trace_length_scale, trace_max_len, num_prompts)
+            elif dataset_name == "sharegpt":
+                specs = datasets.sharegpt_dataset(dataset_path, num_prompts, maker, output_len)
+            else:
+                specs = datasets.jsonl_dataset(dataset_path, num_prompts, maker, output_len or random_output_len)
         else:
-            raise datasets.DatasetError("--dataset-name must be random, shared-prefix, sharegpt or jsonl")
+            raise datasets.DatasetError("--dataset-name must be random, shared-prefix, sharegpt, jsonl or trace")
     except ValueError as error:
         console.print(f"[red]error:[/] {error}")
         raise typer.Exit(2) from None
-    described = {key: value for key, value in ctx.params.items() if key.startswith(("dataset", "random_", "shared_"))
-                 or key in ("num_prompts", "output_len", "tokenizer")}
+    described = {key: value for key, value in ctx.params.items()
+                 if key.startswith(("dataset", "random_", "shared_", "trace_"))
+                 or key in ("num_prompts", "output_len", "tokenizer", "rate_scale")}
     results = []
     for rate in _rates(request_rate):
         config = BenchConfig(base_url=base_url, model=model, api=api, request_rate=rate, burstiness=burstiness,
@@ -382,6 +393,27 @@ def bench(
         console.print(f"saved {save_result}")
     if results and results[-1].interrupted:
         raise typer.Exit(130)
+
+
+def _trace_specs(ctx: typer.Context, path: Path, maker, start_s: float, duration_s: float | None, rate_scale: float,
+                 length_scale: float, max_len: int | None, num_prompts: int) -> list:
+    """A recorded trace's window as requests with their send times; the options that set another
+    schedule are refused rather than ignored."""
+    from fleetserve.loadtest import datasets
+
+    def given(name: str) -> bool:
+        # Typer carries its own click: compare the source by name, not by click's enum.
+        source = ctx.get_parameter_source(name)
+        return source is not None and source.name == "COMMANDLINE"
+
+    clashing = [f"--{name.replace('_', '-')}" for name in ("request_rate", "burstiness")
+                if given(name)]
+    if clashing:
+        raise datasets.DatasetError(f"a trace brings its own arrival times: drop {', '.join(clashing)} "
+                                    "(--rate-scale speeds it up)")
+    specs = datasets.trace_dataset(path, maker, start_s, duration_s, rate_scale, length_scale, max_len)
+    # --num-prompts, when given, takes the window's first N requests.
+    return specs[:num_prompts] if given("num_prompts") else specs
 
 
 async def _run_with_progress(config, specs, count_tokens):

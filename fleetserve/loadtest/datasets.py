@@ -31,6 +31,8 @@ class RequestSpec:
     max_tokens: int
     # Shared-prefix workloads: which prefix group the request belongs to; None otherwise.
     group_id: int | None = None
+    # Recorded traces: seconds after the run's start to send it; None sends on the configured arrival rate.
+    send_at_s: float | None = None
 
 
 class DatasetError(ValueError):
@@ -148,6 +150,48 @@ def jsonl_dataset(path: Path, num_prompts: int, maker: PromptMaker, default_max_
     if not specs:
         raise DatasetError(f"{path} is empty")
     return _cycle(specs, num_prompts)
+
+
+def trace_dataset(path: Path, maker: PromptMaker, start_s: float = 0.0, duration_s: float | None = None,
+                  rate_scale: float = 1.0, length_scale: float = 1.0, max_len: int | None = None) -> list[RequestSpec]:
+    """A recorded trace's requests (``fleetserve.loadtest.recorded``), each sent at its recorded time with a
+    prompt of its recorded length.
+
+    Args:
+        path: the trace CSV (timestamp, prompt tokens, output tokens).
+        maker: builds the prompts.
+        start_s: where in the trace (seconds, before ``rate_scale``) the replay starts.
+        duration_s: how many of the trace's seconds to replay; None: to its end.
+        rate_scale: plays the window this many times faster.
+        length_scale: multiplies every token count (a small model's context holds a real trace's prompts
+            only scaled down).
+        max_len: prompt plus output tokens at most this (the model's context): longer prompts are cut.
+
+    Raises:
+        DatasetError: an unreadable trace, bad scales, or an empty window.
+    """
+    from fleetserve.loadtest.recorded import TraceError, from_csv, window
+
+    if length_scale <= 0:
+        raise DatasetError(f"--trace-length-scale must be positive, got {length_scale:g}")
+    try:
+        requests = window(from_csv(path), start_s, duration_s if duration_s is not None else float("inf"))
+    except TraceError as error:
+        raise DatasetError(str(error)) from None
+    if rate_scale <= 0:
+        raise DatasetError(f"--rate-scale must be positive, got {rate_scale:g}")
+    if not requests:
+        raise DatasetError(f"{path} has no requests in [{start_s:g}, {start_s + (duration_s or 0):g}) s")
+    specs = []
+    for request in requests:
+        output = max(1, round(request.output_tokens * length_scale))
+        prompt = max(1, round(request.prompt_tokens * length_scale))
+        if max_len is not None:
+            if output >= max_len:
+                output = max_len - 1
+            prompt = min(prompt, max_len - output)
+        specs.append(RequestSpec(maker.text(prompt), prompt, output, send_at_s=request.arrival_s / rate_scale))
+    return specs
 
 
 def _cycle(specs: list[RequestSpec], num_prompts: int) -> list[RequestSpec]:

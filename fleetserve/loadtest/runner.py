@@ -173,8 +173,11 @@ async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: htt
             on_done(record)
 
     tasks: list[asyncio.Task] = []
-    # Absolute send times: sleeping each gap in turn would add every wake-up's overshoot to the next.
-    for spec, send_at in zip(specs, run_start + np.cumsum(delays), strict=True):
+    # Absolute send times: sleeping each gap in turn would add every wake-up's overshoot to the next. A
+    # recorded trace brings its own.
+    offsets = ([spec.send_at_s for spec in specs] if specs and all(spec.send_at_s is not None for spec in specs)
+               else np.cumsum(delays))
+    for spec, send_at in zip(specs, run_start + np.asarray(offsets, dtype=float), strict=True):
         wait = send_at - time.perf_counter()
         if wait > 0:
             try:

@@ -261,3 +261,49 @@ async def test_an_api_key_is_sent_as_a_bearer_token_and_never_saved(tmp_path, lo
     assert seen == ["Bearer sk-secret-0001"] * 2
     save_results(tmp_path / "r.json", [result], detailed=True)
     assert "sk-secret" not in (tmp_path / "r.json").read_text()
+
+
+TRACE = "TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(
+    # 8 requests 0.5 s apart, prompts of 40-110 tokens and outputs of 20-48.
+    f"2023-11-16 18:00:{10 + i // 2:02d}.{5 * (i % 2)}000000,{40 + 10 * i},{20 + 4 * i}\n" for i in range(8))
+
+
+def test_trace_dataset_keeps_recorded_times_and_scaled_lengths(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text(TRACE)
+    maker = datasets.PromptMaker(None, random.Random(0))
+    # The window [1, 3) s holds requests 2-5; twice as fast, half the tokens, at most 60 tokens in all.
+    window = datasets.trace_dataset(path, maker, start_s=1.0, duration_s=2.0, rate_scale=2.0, length_scale=0.5,
+                                    max_len=60)
+    assert [spec.send_at_s for spec in window] == [0.0, 0.25, 0.5, 0.75]
+    # Request 2: 60 x 0.5 = 30 prompt, 28 x 0.5 = 14 output; request 5: 90 x 0.5 = 45 prompt cut to 60 - 20 = 40.
+    assert [(spec.prompt_len, spec.max_tokens) for spec in window] == [(30, 14), (35, 16), (40, 18), (40, 20)]
+    assert [len(spec.prompt.split()) for spec in window] == [30, 35, 40, 40]
+    with pytest.raises(datasets.DatasetError, match="has no requests in"):
+        datasets.trace_dataset(path, maker, start_s=100.0)
+
+
+async def test_trace_replay_sends_each_request_at_its_recorded_time(schedule_url, tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text(TRACE)
+    specs = datasets.trace_dataset(path, datasets.PromptMaker(None, random.Random(0)), length_scale=0.1)
+    result = await run_benchmark(BenchConfig(base_url=schedule_url, model="schedule"), specs)
+    assert result.metrics["completed"] == 8
+    # Sent at 0, 0.5, ..., 3.5 s, each within 20 ms of its time.
+    starts = sorted(record.start for record in result.records)
+    assert np.max(np.abs(np.array(starts) - 0.5 * np.arange(8))) < 0.02
+
+
+def test_cli_trace_refuses_a_request_rate(schedule_url, tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text(TRACE)
+    done = run_cli("--base-url", schedule_url, "--model", "schedule", "--dataset-name", "trace", "--dataset-path",
+                   str(path), "--request-rate", "4")
+    assert done.returncode == 2 and "a trace brings its own arrival times: drop --request-rate" in done.stderr
+    done = run_cli("--base-url", schedule_url, "--model", "schedule", "--dataset-name", "trace", "--dataset-path",
+                   str(path), "--trace-length-scale", "0.1", "--num-prompts", "3", "--save-result",
+                   str(tmp_path / "r.json"))
+    assert done.returncode == 0, done.stderr
+    run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
+    # --num-prompts 3 takes the window's first three; the dataset options are recorded with the result.
+    assert run["metrics"]["completed"] == 3 and run["config"]["dataset"]["trace_length_scale"] == 0.1

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.autoscaler.traces import TraceError, TraceRequest, from_csv, window
+from fleetserve.loadtest.recorded import TraceError, TraceRequest, from_csv, window
 
 AZURE = Path(__file__).resolve().parents[3] / "shared" / "data" / "traces"
 
