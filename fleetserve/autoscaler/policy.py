@@ -23,7 +23,7 @@ from fleetserve.platform.replica_report import ReplicaReport
 Reason = Literal["hold", "kv_high", "prefill_high", "queue", "ttft", "kv_low", "prefill_low", "cooldown",
                  "idle_to_zero", "wake",
                  "min_replicas", "max_replicas", "stabilizing", "ongoing_requests", "queue_depth",
-                 "slo_prefill", "slo_kv", "slo_tpot", "slo_down"]
+                 "slo_prefill", "slo_kv", "slo_tpot", "slo_down", "pd_ratio"]
 
 
 @dataclass(frozen=True)

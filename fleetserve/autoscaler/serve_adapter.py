@@ -18,9 +18,10 @@ from typing import Any
 
 import ray
 
+from fleetserve.autoscaler.pd_ratio import PEER, within_ratio
 from fleetserve.autoscaler.policies import make_policy
-from fleetserve.autoscaler.policy import PoolObservation
-from fleetserve.platform.config import AutoscalingConfig
+from fleetserve.autoscaler.policy import Decision, PoolObservation
+from fleetserve.platform.config import AutoscalingConfig, PDRatio
 from fleetserve.platform.replica_report import ReplicaReport
 
 logger = logging.getLogger("ray.serve")
@@ -30,6 +31,9 @@ METRICS_NAMESPACE = "fleetserve"
 METRIC_FIELDS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "prompt_tokens_per_s",
                  "first_tokens_per_s", "num_pending_prompt_tokens", "ttft_s")
 COUNT_FIELDS = frozenset({"num_waiting", "num_running", "num_pending_prompt_tokens"})
+# Each pool's latest desired count by (application, model, pool): Serve runs every deployment's policy in
+# its one controller process, so a disaggregated model's two pools read each other's here (pd_ratio).
+_POOL_TARGETS: dict[tuple[str, str, str], int] = {}
 
 
 @ray.remote(num_cpus=0)
@@ -90,11 +94,14 @@ class ServeAutoscalingPolicy:
     Args:
         model: the model's name (metrics and logs).
         autoscaling: the pool's ``AutoscalingConfig`` as a dict (Serve's policy_kwargs must be JSON).
+        pd_ratio: a disaggregated model's ``pd_ratio`` as a dict: this pool is kept within it of the other.
     """
 
-    def __init__(self, model: str = "", autoscaling: dict[str, Any] | None = None) -> None:
+    def __init__(self, model: str = "", autoscaling: dict[str, Any] | None = None,
+                 pd_ratio: dict[str, Any] | None = None) -> None:
         self.model = model
         self.config = AutoscalingConfig.model_validate(autoscaling or {})
+        self.pd_ratio = PDRatio.model_validate(pd_ratio) if pd_ratio is not None else None
         self.decision_period_s = self.config.decision_period_s
         self.policy = make_policy(self.config)
         self.last: tuple[float, int, str] | None = None
@@ -106,6 +113,16 @@ class ServeAutoscalingPolicy:
                                                       get_if_exists=True).remote()
         return self._metrics
 
+    def _within_ratio(self, ctx: Any, decision: Decision) -> Decision:
+        """The decision kept within pd_ratio of the other pool's latest count, which this one then reads."""
+        if self.pd_ratio is None or self.config.pool not in PEER:
+            return decision
+        app = getattr(ctx, "app_name", None) or ""
+        peer = _POOL_TARGETS.get((app, self.model, PEER[self.config.pool]))
+        decision = within_ratio(decision, self.config.pool, peer, self.pd_ratio, self.config)
+        _POOL_TARGETS[(app, self.model, self.config.pool)] = decision.desired_replicas
+        return decision
+
     def __call__(self, ctx: Any) -> tuple[int, dict[str, Any]]:
         now = ctx.current_time or time.time()
         if self.last is not None and now - self.last[0] < self.decision_period_s:
@@ -113,7 +130,7 @@ class ServeAutoscalingPolicy:
         reports = _reports(ctx.aggregated_metrics or {}, list(ctx.running_replicas), self.config.pool)
         queued = ctx.total_queued_requests or 0.0
         observation = PoolObservation(now, ctx.target_num_replicas, reports, int(round(queued)))
-        decision = self.policy.decide(observation)
+        decision = self._within_ratio(ctx, self.policy.decide(observation))
         if self.last is None or (decision.desired_replicas, decision.reason) != self.last[1:]:
             logger.info("autoscaler %s/%s: %d -> %d replicas (%s: %s)", self.model, self.config.pool,
                         ctx.target_num_replicas, decision.desired_replicas, decision.reason, decision.detail)

@@ -1,22 +1,19 @@
-"""The SLO-driven policy: the SRE states p99 TTFT and TPOT targets and a replica profile; the policy derives
-its own thresholds from them and sizes the pool for the demand it forecasts one start-up ahead.
+"""The SLO-driven policy: the SRE states p99 TTFT and TPOT targets and a replica profile; the policy sizes
+the pool so that at most 1% of requests miss them, for the demand it forecasts one start-up ahead.
 
 Pure Python (no Ray). Each decision:
 
-1. measures demand over the window, in tokens: prompt tokens/s (computed, plus backlog growth, plus the
-   backlog itself drained within the TTFT target, as llm-d turns in-flight prefill into seconds of wait),
-   KV tokens held, and sequences running or waiting;
+1. measures demand over the window, in tokens: prompt tokens/s (computed, plus backlog growth, plus what
+   the backlog adds if it is to be drained by the time new capacity could serve), KV tokens held, and
+   sequences running or waiting; and the mean prompt and output a request brings;
 2. forecasts each one ``profile.startup_s`` ahead (a replica asked for now serves only then): the level is
-   the window's mean, the trend a line fitted over ``TREND_STARTUPS`` start-ups of history (a trend
-   fitted over less than the horizon it projects across mostly projects noise), never below the level;
-3. finds the fewest replicas that carry the forecast within the SLOs:
-
-   * prefill: utilization at most the largest at which an M/M/1 queue of prompts meets the TTFT target at
-     its 99th percentile (``prefill_utilization_for``; ``target_prefill_high`` overrides it);
-   * decode: KV at most ``KV_FILL`` of capacity (``target_high`` overrides it), at most ``max_num_seqs``
-     sequences, and the p99 time per output token (decode steps plus the prefills that interleave with
-     them over a request's life, ``tpot_p99``) within the TPOT target;
-
+   the window's mean, the trend a line fitted over ``TREND_STARTUPS`` start-ups of history (a trend fitted
+   over less than the horizon it projects across mostly projects noise), never below the level;
+3. finds the fewest replicas at which the share of requests expected to miss an SLO, beyond what no number
+   of replicas would avoid, is at most ``TAIL`` (``miss_shares``): TTFT as an M/M/1 queue of prompts over the prefill throughput, TPOT as the decode
+   step plus the prefills that interleave with a request's life, over exponentially distributed output
+   lengths. KV stays within ``KV_FILL`` of capacity (``target_high`` overrides it) and sequences within
+   ``max_num_seqs``; ``target_prefill_high``, when set, caps prefill utilization as well;
 4. scales down only to the larger of the most needed over the last ``profile.startup_s``
    (``scale_down_cooldown_s`` overrides it: keeping an idle replica for one start-up costs what bringing
    it back would, the ski-rental rule) and the size that would have carried 99% of the requests of the
@@ -32,6 +29,9 @@ from collections import deque
 from dataclasses import dataclass
 from statistics import fmean, linear_regression
 
+import numpy as np
+from scipy.stats import poisson
+
 from fleetserve.autoscaler.policy import Decision, PoolObservation, Reason, Stabilizer, prompt_demand
 from fleetserve.platform.config import AutoscalingConfig, ReplicaProfile
 
@@ -45,34 +45,11 @@ TREND_STARTUPS = 4
 # history: bursts that recur faster than that keep their capacity (chosen from 5 and 10 on the Azure
 # traces: 10 cost more on both for little more attainment).
 ENVELOPE_STARTUPS = 5
-# The quantile the targets hold for (p99), and the standard normal's value there.
+# The share of requests allowed to miss an SLO: the targets are p99s.
 TAIL = 0.01
-Z_P99 = 2.326
-# The utilization floor when a lone prompt's prefill alone nearly takes the TTFT target: more replicas
-# cannot make one prompt faster, so the pool is sized for a short queue rather than none.
-MIN_PREFILL_UTILIZATION = 0.1
-
-
-def prefill_utilization_for(ttft_s: float, service_s: float) -> float:
-    """The largest prefill utilization at which a prompt's p99 TTFT stays within ``ttft_s``.
-
-    Prompts queue for a replica's prefill as in an M/M/1 queue with mean service ``service_s`` (mean prompt
-    over prefill throughput). Its wait exceeds t with probability ``rho * exp(-(1 - rho) * t / service_s)``,
-    so the p99 wait is ``service_s * ln(rho / TAIL) / (1 - rho)``; with the prompt's own prefill that must
-    fit ``ttft_s``. Solved for rho by bisection (the wait grows with rho).
-    """
-    budget = ttft_s - service_s
-    if budget <= 0:
-        return MIN_PREFILL_UTILIZATION
-
-    def p99_wait(rho: float) -> float:
-        return service_s * math.log(rho / TAIL) / (1 - rho) if rho > TAIL else 0.0
-
-    low, high = TAIL, 1.0 - 1e-9
-    for _ in range(60):
-        middle = (low + high) / 2
-        low, high = (middle, high) if p99_wait(middle) <= budget else (low, middle)
-    return max(MIN_PREFILL_UTILIZATION, low)
+# Output lengths are taken as exponential with the measured mean (the reports carry no distribution; the
+# Azure traces' coefficients of variation are 0.77 and 2.15), at this many quantiles.
+OUTPUT_QUANTILES = (np.arange(64) + 0.5) / 64
 
 
 def forecast(times: list[float], values: list[float], horizon_s: float, level_s: float | None = None) -> float:
@@ -92,50 +69,90 @@ def forecast(times: list[float], values: list[float], horizon_s: float, level_s:
 class Demand:
     """A pool's demand, forecast one start-up ahead."""
 
-    # Prompt tokens/s to prefill, the backlog's drain within the TTFT target included.
+    # Prompt tokens/s to prefill.
     prompt_tokens_per_s: float
     # KV tokens the pool's sequences hold.
     kv_tokens: float
     # Sequences running, waiting in engines or queued in front of the pool.
     num_sequences: float
-    # Mean prompt tokens a request brings (what one prefill costs), and mean tokens it generates.
+    # Mean prompt tokens a request brings (what one prefill costs; 0 before any first token was seen, when
+    # no queueing is modelled), and mean tokens it generates.
     mean_prompt_tokens: float
     mean_output_tokens: float = 1.0
 
 
 @dataclass(frozen=True)
+class MissShares:
+    """Shares of requests expected to miss each SLO on one of ``num_replicas`` replicas sharing a demand."""
+
+    ttft: float
+    tpot: float
+    # The share of a replica's time spent prefilling, and its decode step.
+    prefill_share: float
+    decode_step_s: float
+
+
+def ttft_miss_share(prefill_share: float, service_s: float, ttft_s: float) -> float:
+    """P(TTFT > ``ttft_s``) with prompts queued for prefill as in an M/M/1 queue (utilization
+    ``prefill_share``, mean service ``service_s``): its time in system is exponential with rate
+    ``(1 - share) / service_s``."""
+    if prefill_share >= 1:
+        return 1.0
+    if service_s <= 0 or ttft_s <= 0:
+        return 0.0 if ttft_s > 0 else 1.0
+    return math.exp(-(1 - prefill_share) * ttft_s / service_s)
+
+
+def tpot_miss_share(decode_step_s: float, prefill_share: float, prompts_per_s: float, service_s: float,
+                    mean_output_tokens: float, tpot_s: float) -> float:
+    """The share of requests whose time per output token exceeds ``tpot_s``.
+
+    A request generating n tokens decodes one per step of ``decode_step_s`` and lives about ``n * step /
+    (1 - prefill_share)``; the K prompts that arrive meanwhile (Poisson, ``prompts_per_s``) each stall its
+    steps for ``service_s``, so its TPOT is ``step + K * service_s / (n - 1)``. It misses when K exceeds
+    ``(tpot_s - step) * (n - 1) / service_s``. Averaged over exponential output lengths with the given
+    mean; a single-token answer has no TPOT to miss.
+    """
+    if decode_step_s >= tpot_s or prefill_share >= 1:
+        return 1.0 if mean_output_tokens > 1 else 0.0
+    if prefill_share <= 0 or prompts_per_s <= 0 or service_s <= 0 or mean_output_tokens <= 1:
+        return 0.0
+    outputs = 1 + (mean_output_tokens - 1) * -np.log1p(-OUTPUT_QUANTILES)
+    return float(tpot_miss_given_output(outputs, decode_step_s, prefill_share, prompts_per_s, service_s, tpot_s).mean())
+
+
+def tpot_miss_given_output(outputs: np.ndarray, decode_step_s: float, prefill_share: float, prompts_per_s: float,
+                           service_s: float, tpot_s: float) -> np.ndarray:
+    """P(TPOT > ``tpot_s``) for requests generating each of ``outputs`` tokens (see ``tpot_miss_share``)."""
+    arrivals = prompts_per_s * outputs * decode_step_s / (1 - prefill_share)
+    # The most stalls the request can take; the epsilon keeps an exact quotient from rounding down.
+    allowed = np.floor((tpot_s - decode_step_s) * (outputs - 1) / service_s + 1e-9)
+    return np.where(outputs >= 2, poisson.sf(allowed, arrivals), 0.0)
+
+
+def miss_shares(profile: ReplicaProfile, demand: Demand, num_replicas: float, ttft_s: float, tpot_s: float,
+                prefills: bool = True, decodes: bool = True) -> MissShares:
+    """The shares of requests expected to miss TTFT and TPOT on one of ``num_replicas`` replicas sharing
+    ``demand`` (``math.inf``: what remains with unlimited replicas); a pool that does not prefill (decode)
+    or decode (prefill) misses nothing there."""
+    share = demand.prompt_tokens_per_s / (num_replicas * profile.prefill_tokens_per_s) if prefills else 0.0
+    step = (profile.decode_step_base_s + profile.decode_step_per_seq_s * demand.num_sequences / num_replicas
+            + profile.decode_step_per_kv_token_s * demand.kv_tokens / num_replicas)
+    service_s = demand.mean_prompt_tokens / profile.prefill_tokens_per_s
+    ttft = ttft_miss_share(share, service_s, ttft_s - profile.request_overhead_s) if prefills else 0.0
+    prompts_per_s = demand.prompt_tokens_per_s / demand.mean_prompt_tokens / num_replicas if demand.mean_prompt_tokens else 0.0
+    tpot = tpot_miss_share(step, share, prompts_per_s, service_s, demand.mean_output_tokens, tpot_s) if decodes else 0.0
+    return MissShares(ttft, tpot, share, step)
+
+
+@dataclass(frozen=True)
 class Sizing:
-    """The fewest replicas that carry a demand within the SLOs, and the rule that set the count."""
+    """The fewest replicas that carry a demand within the SLOs, the rule that set the count, and the
+    expected misses there."""
 
     num_replicas: int
     reason: Reason
-    # The prefill utilization the TTFT target allows.
-    prefill_utilization: float
-    # The p99 TPOT expected at num_replicas (see ``tpot_p99``).
-    tpot_p99_s: float
-
-
-def tpot_p99(profile: ReplicaProfile, demand: Demand, num_replicas: int) -> float:
-    """The p99 time per output token on one of ``num_replicas`` replicas sharing ``demand``.
-
-    A step decodes the replica's share of the sequences, each reading its KV: ``d = base + per_seq * b +
-    per_kv_token * kv``. Prefills interleave with those steps: a request generating n tokens lives about
-    ``n * d / (1 - share)`` seconds, ``share`` being the replica's time in prefill, and over that life K
-    prompts arrive to be prefilled, K Poisson-distributed; its TPOT is ``d + K * (prompt / prefill
-    speed) / (n - 1)``. The p99 takes K at its mean plus 2.33 standard deviations. A decode pool
-    prefills nothing.
-    """
-    share = 0.0 if demand.mean_prompt_tokens <= 0 else demand.prompt_tokens_per_s / (num_replicas * profile.prefill_tokens_per_s)
-    step = (profile.decode_step_base_s + profile.decode_step_per_seq_s * demand.num_sequences / num_replicas
-            + profile.decode_step_per_kv_token_s * demand.kv_tokens / num_replicas)
-    if share <= 0 or demand.mean_output_tokens <= 1:  # a lone token has no time per output token
-        return step
-    if share >= 1:
-        return math.inf
-    prefill_s = demand.mean_prompt_tokens / profile.prefill_tokens_per_s
-    prompts_per_s = demand.prompt_tokens_per_s / demand.mean_prompt_tokens / num_replicas
-    arrivals = prompts_per_s * demand.mean_output_tokens * step / (1 - share)
-    return step + (arrivals + Z_P99 * math.sqrt(arrivals)) * prefill_s / (demand.mean_output_tokens - 1)
+    misses: MissShares
 
 
 class SLOPolicy:
@@ -153,7 +170,7 @@ class SLOPolicy:
         self.ttft_s, self.tpot_s = config.ttft_p99_s, config.tpot_p99_s
         given = config.model_fields_set
         self.kv_fill = config.target_high if "target_high" in given else KV_FILL
-        self.prefill_utilization = config.target_prefill_high if "target_prefill_high" in given else None
+        self.max_prefill_share = config.target_prefill_high if "target_prefill_high" in given else None
         self.hold_s = config.scale_down_cooldown_s if "scale_down_cooldown_s" in given else self.profile.startup_s
         # The observations of the trend's history (the last window_s of them set the level).
         self.window: deque[PoolObservation] = deque()
@@ -166,8 +183,8 @@ class SLOPolicy:
         # How far ahead demand is forecast: a replica asked for now serves one start-up and one decision later.
         self.horizon_s = self.profile.startup_s + config.decision_period_s
         self.idle_since: float | None = None
-        # The last measured mean prompt, kept through windows without any first token.
-        self.mean_prompt_tokens = float(self.profile.max_num_batched_tokens)
+        # The last measured mean prompt and output, kept through windows without any first token.
+        self.mean_prompt_tokens = 0.0
         self.mean_output_tokens = 1.0
         self.stabilizer = Stabilizer(config, hpa_behaviour=False)
 
@@ -181,43 +198,44 @@ class SLOPolicy:
         times = [obs.time_s for obs in reporting]
         recent = [obs for obs in reporting if obs.time_s >= times[-1] - level_s]
         computed = sum(r.prompt_tokens_per_s for obs in recent for r in obs.replicas)
-        firsts = sum(r.first_tokens_per_s for obs in recent for r in obs.replicas)
         generated = sum(max(0.0, r.tokens_per_s - r.prompt_tokens_per_s) for obs in recent for r in obs.replicas)
+        firsts = sum(r.first_tokens_per_s for obs in recent for r in obs.replicas)
         if firsts > 0 and computed > 0:
             self.mean_prompt_tokens = computed / firsts
         if firsts > 0 and generated > 0:
             self.mean_output_tokens = max(1.0, generated / firsts)
-        horizon = self.horizon_s
         demand_times, prompt_rates = prompt_demand(reporting)
+        # Today's pool drains today's backlog; what new capacity must take is what is left of it when it comes.
         backlog = sum(r.num_pending_prompt_tokens for r in reporting[-1].replicas)
         kv = [sum(r.kv_cache_usage for r in obs.replicas) * self.profile.kv_capacity_tokens for obs in reporting]
         sequences = [float(obs.num_ongoing) for obs in reporting]
-        return Demand(forecast(demand_times, prompt_rates, horizon, level_s) + backlog / self.ttft_s,
+        horizon = self.horizon_s
+        return Demand(forecast(demand_times, prompt_rates, horizon, level_s) + backlog / max(self.ttft_s, horizon),
                       forecast(times, kv, horizon, level_s), forecast(times, sequences, horizon, level_s),
                       self.mean_prompt_tokens, self.mean_output_tokens)
 
     def size(self, demand: Demand) -> Sizing:
         """The fewest replicas that carry ``demand`` within the SLOs (at most ``max_replicas``)."""
         profile, pool = self.profile, self.config.pool
-        utilization = self.prefill_utilization or prefill_utilization_for(
-            self.ttft_s - profile.request_overhead_s, demand.mean_prompt_tokens / profile.prefill_tokens_per_s)
-        decoding = demand if pool != "decode" else Demand(0.0, demand.kv_tokens, demand.num_sequences, 0.0,
-                                                          demand.mean_output_tokens)
+        prefills, decodes = pool != "decode", pool != "prefill"
         reason: Reason = "slo_prefill" if pool == "prefill" else "slo_kv"
-        tpot = math.inf
+        misses = MissShares(1.0, 1.0, 1.0, math.inf)
+        # What no number of replicas removes (a prompt whose own prefill takes the TTFT target; steps slower
+        # than the TPOT target on an empty replica) is not a reason to add one.
+        floor = miss_shares(profile, demand, math.inf, self.ttft_s, self.tpot_s, prefills, decodes)
         for count in range(1, self.config.max_replicas + 1):
-            tpot = tpot_p99(profile, decoding, count)
-            if pool != "decode" and demand.prompt_tokens_per_s > count * utilization * profile.prefill_tokens_per_s:
-                reason = "slo_prefill"
-            elif pool != "prefill" and demand.kv_tokens > count * self.kv_fill * profile.kv_capacity_tokens:
+            misses = miss_shares(profile, demand, count, self.ttft_s, self.tpot_s, prefills, decodes)
+            if decodes and demand.kv_tokens > count * self.kv_fill * profile.kv_capacity_tokens:
                 reason = "slo_kv"
-            elif pool != "prefill" and demand.num_sequences > count * profile.max_num_seqs:
+            elif decodes and demand.num_sequences > count * profile.max_num_seqs:
                 reason = "slo_tpot"
-            elif pool != "prefill" and tpot > self.tpot_s:
-                reason = "slo_tpot"
+            elif self.max_prefill_share is not None and misses.prefill_share > self.max_prefill_share:
+                reason = "slo_prefill"
+            elif (misses.ttft - floor.ttft) + (misses.tpot - floor.tpot) > TAIL:
+                reason = "slo_prefill" if misses.ttft - floor.ttft >= misses.tpot - floor.tpot else "slo_tpot"
             else:
-                return Sizing(count, reason, utilization, tpot)
-        return Sizing(self.config.max_replicas, reason, utilization, tpot)
+                return Sizing(count, reason, misses)
+        return Sizing(self.config.max_replicas, reason, misses)
 
     def _envelope(self, observation: PoolObservation, need: int) -> int:
         """The size that would have carried all but ``TAIL`` of the envelope's requests: its needs, each
@@ -256,11 +274,13 @@ class SLOPolicy:
         while self.needs[0][0] < now - self.hold_s:
             self.needs.popleft()
         held = max(max(count for _, count in self.needs), self._envelope(observation, sizing.num_replicas))
-        detail = (f"forecast {self.horizon_s:g}s ahead: {demand.prompt_tokens_per_s:,.0f} prompt tokens/s "
-                  f"(utilization <= {sizing.prefill_utilization:.2f} for TTFT p99 {self.ttft_s:g}s at "
-                  f"{demand.mean_prompt_tokens:,.0f}-token prompts), {demand.kv_tokens:,.0f} KV tokens, "
-                  f"{demand.num_sequences:.1f} sequences of {demand.mean_output_tokens:,.0f} tokens (TPOT p99 "
-                  f"{sizing.tpot_p99_s * 1000:.0f}ms of {self.tpot_s * 1000:g}ms): needs {sizing.num_replicas}")
+        misses = sizing.misses
+        detail = (f"forecast {self.horizon_s:g}s ahead: {demand.prompt_tokens_per_s:,.0f} prompt tokens/s of "
+                  f"{demand.mean_prompt_tokens:,.0f}-token prompts, {demand.kv_tokens:,.0f} KV tokens, "
+                  f"{demand.num_sequences:.1f} sequences of {demand.mean_output_tokens:,.0f} tokens: "
+                  f"{sizing.num_replicas} replica(s) miss TTFT {self.ttft_s:g}s for {misses.ttft:.2%} and TPOT "
+                  f"{self.tpot_s * 1000:g}ms for {misses.tpot:.2%} (prefill {misses.prefill_share:.0%} of the "
+                  f"time, {misses.decode_step_s * 1000:.1f}ms steps)")
         if sizing.num_replicas > current:
             return self.stabilizer.apply(now, current, Decision(sizing.num_replicas, sizing.reason, detail))
         if held < current:

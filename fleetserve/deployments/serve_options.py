@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
-from fleetserve.platform.config import AutoscalingConfig, LimitsConfig, ModelConfig, RoutingConfig
+from fleetserve.platform.config import AutoscalingConfig, LimitsConfig, ModelConfig, PDRatio, RoutingConfig
 from fleetserve.router.replica.serve_adapter import FleetserveRequestRouter
 
 # Engines take tens of seconds to load; Serve's default health period is too eager.
@@ -24,8 +24,10 @@ def deployment_name(model: ModelConfig) -> str:
     return f"prefill-{model.name}" if model.pool == "prefill" else f"engine-{model.name}"
 
 
-def autoscaling_config(autoscaling: AutoscalingConfig, initial_replicas: int, model_name: str) -> dict[str, Any]:
-    """Serve's autoscaling_config: Serve's own policy for ray_default, fleetserve's through its adapter."""
+def autoscaling_config(autoscaling: AutoscalingConfig, initial_replicas: int, model_name: str,
+                       pd_ratio: PDRatio | None = None) -> dict[str, Any]:
+    """Serve's autoscaling_config: Serve's own policy for ray_default, fleetserve's through its adapter (with a
+    disaggregated model's ``pd_ratio``, which its two pools' adapters keep between them)."""
     config: dict[str, Any] = {
         "min_replicas": autoscaling.min_replicas, "max_replicas": autoscaling.max_replicas,
         "initial_replicas": min(max(initial_replicas, autoscaling.min_replicas), autoscaling.max_replicas)}
@@ -39,7 +41,8 @@ def autoscaling_config(autoscaling: AutoscalingConfig, initial_replicas: int, mo
             "policy": {"policy_function": ServeAutoscalingPolicy,
                        # The knobs the config set, so the adapter rebuilds the same config: a full dump would
                        # also name the other policies' knobs, which the schema refuses.
-                       "policy_kwargs": {"model": model_name, "autoscaling": autoscaling.model_dump(exclude_unset=True)}}}
+                       "policy_kwargs": {"model": model_name, "autoscaling": autoscaling.model_dump(exclude_unset=True),
+                                         "pd_ratio": pd_ratio.model_dump() if pd_ratio is not None else None}}}
 
 
 def request_router_config(routing: RoutingConfig) -> dict[str, Any] | None:
@@ -77,7 +80,8 @@ def deployment_options(model: ModelConfig) -> dict[str, Any]:
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
     }
     if model.autoscaling is not None:
-        options["autoscaling_config"] = autoscaling_config(model.autoscaling, model.replicas, model.name)
+        ratio = model.disaggregation.pd_ratio if model.disaggregation is not None and model.pool != "colocated" else None
+        options["autoscaling_config"] = autoscaling_config(model.autoscaling, model.replicas, model.name, ratio)
     else:
         options["num_replicas"] = model.replicas
     router = request_router_config(model.routing)

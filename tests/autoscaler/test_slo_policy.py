@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from fleetserve.autoscaler.policies import make_policy
 from fleetserve.autoscaler.policy import PoolObservation
 from fleetserve.autoscaler.slo_policy import (
-    MIN_PREFILL_UTILIZATION,
     Demand,
     SLOPolicy,
     forecast,
-    prefill_utilization_for,
-    tpot_p99,
+    miss_shares,
+    tpot_miss_given_output,
+    tpot_miss_share,
+    ttft_miss_share,
 )
 from fleetserve.platform.config import AutoscalingConfig, ConfigError, ReplicaProfile, parse_section
 from fleetserve.platform.replica_report import ReplicaReport
@@ -38,13 +40,28 @@ def report(prompt_tokens_per_s: float = 0.0, firsts_per_s: float = 0.0, kv: floa
                          first_tokens_per_s=firsts_per_s)
 
 
-def test_prefill_utilization_meets_the_ttft_p99_of_an_mm1_queue():
-    # At rho 0.5 and 0.1 s of service, the p99 wait is 0.1 * ln(0.5 / 0.01) / (1 - 0.5) = 0.7824 s; with the
-    # prompt's own 0.1 s that is a TTFT of 0.8824 s, so that target allows exactly rho 0.5.
-    assert prefill_utilization_for(0.1 + 0.1 * math.log(50) / 0.5, 0.1) == pytest.approx(0.5, abs=1e-6)
-    # A looser target allows more; a prompt that alone takes the target leaves the floor.
-    assert prefill_utilization_for(4.0, 0.1) > prefill_utilization_for(2.0, 0.1) > 0.5
-    assert prefill_utilization_for(0.1, 0.2) == MIN_PREFILL_UTILIZATION
+def test_ttft_miss_share_is_an_mm1_queues_time_in_system():
+    # Exponential with rate (1 - 0.5) / 0.1 = 5/s: P(> 2 s) = exp(-10) = 4.54e-5.
+    assert ttft_miss_share(0.5, 0.1, 2.0) == pytest.approx(math.exp(-10))
+    assert ttft_miss_share(1.0, 0.1, 2.0) == 1.0
+
+
+def test_tpot_miss_given_output_counts_the_prefills_a_request_lives_through():
+    # 11 tokens at 0.02 s steps with half the replica's time prefilling: 11 x 0.02 / 0.5 = 0.44 s of life,
+    # 5 prompts/s x 0.44 = 2.2 arriving on average. TPOT 50 ms leaves (0.05 - 0.02) x 10 = 0.3 s of stalls:
+    # 3 prefills of 0.1 s. It misses when 4 or more arrive: 1 - e^-2.2 (1 + 2.2 + 2.2^2/2 + 2.2^3/6) = 0.18065.
+    miss = tpot_miss_given_output(np.array([11.0, 1.0]), 0.02, 0.5, 5.0, 0.1, 0.05)
+    assert miss[0] == pytest.approx(0.18065, abs=1e-5)
+    # A one-token answer has no time per output token.
+    assert miss[1] == 0.0
+
+
+def test_tpot_miss_share_edges():
+    # Steps slower than the target: every multi-token request misses; no prefill: none does.
+    assert tpot_miss_share(0.06, 0.2, 1.0, 0.1, 100, 0.05) == 1.0
+    assert tpot_miss_share(0.02, 0.0, 0.0, 0.1, 100, 0.05) == 0.0
+    # More stalls per request (more prompts per second) can only miss more.
+    assert tpot_miss_share(0.02, 0.5, 5.0, 0.1, 50, 0.05) > tpot_miss_share(0.02, 0.25, 2.5, 0.1, 50, 0.05) > 0
 
 
 def test_forecast_projects_a_ramp_along_its_line():
@@ -58,55 +75,51 @@ def test_forecast_never_falls_below_the_window_mean():
     assert forecast([7], [12], 5) == 12
 
 
-def test_prefill_demand_sizes_the_pool_at_the_allowed_utilization():
+def test_prefill_cap_sizes_the_pool_when_set():
     sizing = slo_policy(target_prefill_high=0.5).size(Demand(1600, 0, 0, 100))
     # 1,600 tokens/s over 1,000 per replica at most 0.5 utilized: 1.6 / 0.5 = 3.2, so 4 replicas.
     assert (sizing.num_replicas, sizing.reason) == (4, "slo_prefill")
 
 
-def test_prefill_utilization_is_derived_from_the_ttft_target_unless_overridden():
-    # 100-token prompts at 1,000 tokens/s are 0.1 s of service; TTFT p99 2 s allows rho = prefill_utilization_for(2, 0.1).
-    rho = prefill_utilization_for(2.0, 0.1)
-    sizing = slo_policy().size(Demand(1600, 0, 0, 100))
-    assert sizing.prefill_utilization == pytest.approx(rho)
-    assert sizing.num_replicas == math.ceil(1.6 / rho)
+def test_ttft_target_sizes_the_pool_without_a_cap():
+    sizing = slo_policy().size(Demand(1600, 0, 0, 200))
+    # 200-token prompts are 0.2 s of prefill: at most 1% over 2 s needs exp(-(1 - rho) x 10) <= 0.01, rho <=
+    # 1 - ln(100) / 10 = 0.5395. Two replicas run at 0.8; three at 0.533.
+    assert (sizing.num_replicas, sizing.reason) == (3, "slo_prefill")
+    assert sizing.misses.ttft == pytest.approx(math.exp(-(1 - 1600 / 3000) * 10))
 
 
 def test_kv_demand_sizes_a_decode_pool_at_the_kv_fill():
     sizing = slo_policy(pool="decode").size(Demand(5000, 20_000, 30, 100, 100))
-    # Prefill is not a decode pool's load. KV: 20,000 tokens over 0.9 x 10,000 per replica = 2.2, so 3.
-    # TPOT: a step of 30 / 3 = 10 sequences takes 0.01 + 10 x 0.001 = 0.02 s, within 50 ms.
+    # Prefill is not a decode pool's load. KV: 20,000 tokens over 0.9 x 10,000 per replica = 2.2, so 3; a
+    # step of 30 / 3 = 10 sequences takes 0.01 + 10 x 0.001 = 0.02 s, within 50 ms.
     assert (sizing.num_replicas, sizing.reason) == (3, "slo_kv")
-    assert sizing.tpot_p99_s == pytest.approx(0.02)
+    assert (sizing.misses.decode_step_s, sizing.misses.tpot) == (pytest.approx(0.02), 0.0)
 
 
-def test_decode_steps_cost_the_kv_they_read():
+def test_decode_steps_cost_the_sequences_and_the_kv_they_read():
     profile = PROFILE.model_copy(update={"decode_step_per_kv_token_s": 1e-5})
     sizing = slo_policy(pool="decode", profile=profile).size(Demand(0, 5000, 100, 100, 100))
-    # A step over n replicas: 0.01 + (100 / n) x 0.001 + (5,000 / n) x 1e-5 = 0.01 + 0.15 / n s; within
-    # 50 ms from n = 4 (0.0475 s); 3 give 0.06 s.
+    # A step over n replicas: 0.01 + (100 / n) x 0.001 + (5,000 / n) x 1e-5 = 0.01 + 0.15 / n s; within 50 ms
+    # from n = 4 (0.0475 s); at 3 it is 0.06 s and every request misses.
     assert (sizing.num_replicas, sizing.reason) == (4, "slo_tpot")
-    assert sizing.tpot_p99_s == pytest.approx(0.0475)
+    assert sizing.misses.decode_step_s == pytest.approx(0.0475)
 
 
-def test_tpot_p99_counts_the_prefills_a_request_lives_through():
+def test_colocated_pools_are_sized_on_both_misses():
     demand = Demand(500, 0, 10, 100, 101)
-    # 1 replica: half its time prefills (500 / 1,000); a step of 10 sequences is 0.01 + 10 x 0.001 = 0.02 s,
-    # so a 101-token request lives 101 x 0.02 / 0.5 = 4.04 s, through 5 prompts/s x 4.04 = 20.2 prefills
-    # on average, 20.2 + 2.326 x sqrt(20.2) = 30.654 at p99, each 100 / 1,000 = 0.1 s, spread over its
-    # 100 later tokens: 0.02 + 30.654 x 0.1 / 100 = 0.050654 s.
-    assert tpot_p99(PROFILE, demand, 1) == pytest.approx(0.050654, abs=1e-6)
-    # 2 replicas: share 0.25, step 0.015 s, 2.5 x 101 x 0.015 / 0.75 = 5.05 prefills, 10.2772 at p99:
-    # 0.015 + 0.0102772 = 0.0252772 s. TPOT 50 ms therefore needs 2 replicas, though prefill fits one.
-    assert tpot_p99(PROFILE, demand, 2) == pytest.approx(0.0252772, abs=1e-6)
     sizing = slo_policy().size(demand)
-    assert (sizing.num_replicas, sizing.reason) == (2, "slo_tpot")
+    # Each count's expected misses, as miss_shares computes them: the first at or under 1% in all is chosen.
+    shares = [miss_shares(PROFILE, demand, n, 2.0, 0.05) for n in range(1, 9)]
+    first = next(n for n, share in enumerate(shares, 1) if share.ttft + share.tpot <= 0.01)
+    assert sizing.num_replicas == first > 1 and sizing.reason == "slo_tpot"
+    assert shares[first - 2].tpot > shares[first - 2].ttft
 
 
 def test_a_prefill_pool_ignores_kv_and_sequences():
-    sizing = slo_policy(pool="prefill", target_prefill_high=0.5).size(Demand(900, 90_000, 500, 100))
+    sizing = slo_policy(pool="prefill", target_prefill_high=0.5).size(Demand(900, 90_000, 500, 100, 100))
     # 0.9 / 0.5 = 1.8, so 2 replicas; its KV is transient and its sequences are handed to decode.
-    assert (sizing.num_replicas, sizing.reason) == (2, "slo_prefill")
+    assert (sizing.num_replicas, sizing.reason, sizing.misses.tpot) == (2, "slo_prefill", 0.0)
 
 
 def test_demand_too_big_for_max_replicas_asks_for_max():
@@ -125,12 +138,13 @@ def test_decide_scales_up_for_the_demand_forecast_one_startup_ahead():
     assert (decision.desired_replicas, decision.reason) == (4, "slo_prefill")
 
 
-def test_backlog_is_drained_within_the_ttft_target():
-    policy = slo_policy(target_prefill_high=0.5)
-    decision = policy.decide(PoolObservation(0.0, 1, (report(0, 0, pending=3000),)))
-    # A lone observation: demand is what it computed (0) plus 3,000 pending tokens within 2 s = 1,500
-    # tokens/s; 1.5 / 0.5 = 3 replicas.
-    assert (decision.desired_replicas, decision.reason) == (3, "slo_prefill")
+def test_a_backlog_counts_for_what_is_left_of_it_when_new_replicas_could_serve():
+    # 3,000 pending tokens over one start-up and one decision (11 s) add 273 tokens/s: one replica carries it.
+    light = slo_policy(target_prefill_high=0.5).decide(PoolObservation(0.0, 1, (report(pending=3000),)))
+    assert light.desired_replicas == 1
+    # 30,000 add 2,727 tokens/s: 2.727 / 0.5 = 5.45, so 6 replicas.
+    heavy = slo_policy(target_prefill_high=0.5).decide(PoolObservation(0.0, 1, (report(pending=30_000),)))
+    assert (heavy.desired_replicas, heavy.reason) == (6, "slo_prefill")
 
 
 def test_mean_prompt_is_measured_from_computed_tokens_per_first_token():
@@ -142,13 +156,14 @@ def test_mean_prompt_is_measured_from_computed_tokens_per_first_token():
 
 def test_scale_down_waits_one_startup_then_goes_to_the_most_needed_since():
     policy = slo_policy(target_prefill_high=0.5, window_s=1)
-    # 4 x 1,600 = 6,400 tokens/s needs 6.4 / 0.5 = 12.8: capped at 8. No request got a first token then, so
-    # the envelope does not weigh it.
-    assert policy.decide(PoolObservation(0.0, 4, (report(1600, 0),) * 4)).desired_replicas == 8
+    policy.envelope_s = 0.0  # this test is the hold's; the next is the envelope's
+    # 4 x 1,600 = 6,400 tokens/s of 100-token prompts needs 6.4 / 0.5 = 12.8: capped at 8.
+    assert policy.decide(PoolObservation(0.0, 4, (report(1600, 16),) * 4)).desired_replicas == 8
     quiet = [policy.decide(PoolObservation(float(t), 8, (report(100, 1),) * 8)) for t in range(1, 12)]
-    # 8 x 100 = 800 tokens/s needs 2, but 8 were needed at 0 s: held through 10 s (one start-up), then 2.
+    # From 1 s, 8 x 100 = 800 tokens/s (the interval since 0 s) needs 2; 8 were needed at 0 s: held through
+    # 10 s (one start-up), then 2.
     assert [d.desired_replicas for d in quiet] == [8] * 10 + [2]
-    assert quiet[-1].reason == "slo_down" and quiet[0].reason == "hold"
+    assert quiet[-1].reason == "slo_down" and quiet[1].reason == "hold"
 
 
 def test_scale_down_keeps_what_carried_99_percent_of_the_envelopes_requests():

@@ -17,7 +17,7 @@ How Serve runs a config (deployment options) is the serving layer's: ``fleetserv
 
 from fleetserve.platform.config.autoscaling import AutoscalingConfig, ReplicaProfile
 from fleetserve.platform.config.base import ConfigError, MiB, parse_section
-from fleetserve.platform.config.disaggregation import POOLS, DisaggregationConfig, PoolConfig
+from fleetserve.platform.config.disaggregation import POOLS, DisaggregationConfig, PDRatio, PoolConfig
 from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, ApiConfig, EngineArgs, Resources
 from fleetserve.platform.config.front_door import APIKeyConfig, AuthConfig, LimitsConfig, ServerConfig, TenantConfig
 from fleetserve.platform.config.model import ModelConfig
@@ -26,5 +26,5 @@ from fleetserve.platform.config.routing import ModelRoute, ModelRoutingConfig, R
 
 __all__ = ["APIKeyConfig", "ApiConfig", "AuthConfig", "AutoscalingConfig", "ConfigError", "DisaggregationConfig",
            "EngineArgs", "KV_LAYOUT_ARGS", "LimitsConfig", "MiB", "ModelConfig", "ModelRoute", "ModelRoutingConfig",
-           "POOLS", "PlatformConfig", "PoolConfig", "ReplicaProfile", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
+           "PDRatio", "POOLS", "PlatformConfig", "PoolConfig", "ReplicaProfile", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
            "default_config", "load_config", "parse_config", "parse_section"]

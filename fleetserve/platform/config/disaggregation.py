@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from fleetserve.platform.config.autoscaling import AutoscalingConfig
 from fleetserve.platform.config.base import Strict
@@ -28,6 +28,25 @@ class PoolConfig(Strict):
     routing: RoutingConfig | None = None
 
 
+class PDRatio(Strict):
+    """Bounds on prefill replicas per decode replica. Each pool still scales on its own signals; one that
+    falls below its share of the other is raised to it (never capped: a cap would hold back the pool
+    whose load leads)."""
+
+    # Prefill replicas at least this many per decode replica (the prefill pool is raised).
+    min: float | None = Field(default=None, gt=0)
+    # Prefill replicas at most this many per decode replica (the decode pool is raised).
+    max: float | None = Field(default=None, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PDRatio:
+        if self.min is None and self.max is None:
+            raise ValueError("set min, max or both")
+        if self.min is not None and self.max is not None and self.min > self.max:
+            raise ValueError(f"min ({self.min}) exceeds max ({self.max})")
+        return self
+
+
 class DisaggregationConfig(Strict):
     """Separate prefill and decode pools for one model, with KV moved from prefill to decode engines."""
 
@@ -43,6 +62,20 @@ class DisaggregationConfig(Strict):
     prefill_timeout_s: float = Field(default=60.0, gt=0)
     # Seconds a prefill engine keeps KV that no decode engine reads (its decode side died or gave up).
     kv_lease_s: int = Field(default=30, ge=1)
+    # Keeps the autoscaled pools within a ratio of each other (both pools need autoscaling by a fleetserve
+    # policy: Serve's own ray_default cannot read the other pool's count).
+    pd_ratio: PDRatio | None = None
     # Microseconds NIXL's progress thread sleeps between polls. NIXL's default, 0, busy-polls a core per
     # engine: set 0 on GPU hosts with cores to spare for the lowest transfer latency.
     nixl_progress_delay_us: int = Field(default=500, ge=0)
+
+    @model_validator(mode="after")
+    def _ratio_needs_two_autoscaled_pools(self) -> DisaggregationConfig:
+        if self.pd_ratio is None:
+            return self
+        for pool in ("prefill", "decode"):
+            autoscaling = getattr(self, pool).autoscaling
+            if autoscaling is None or autoscaling.policy == "ray_default":
+                raise ValueError(f"pd_ratio bounds two pools autoscaled by a fleetserve policy; the {pool} pool "
+                                 + ("has no autoscaling" if autoscaling is None else "uses ray_default"))
+        return self
