@@ -55,10 +55,12 @@ OUTPUT_QUANTILES = (np.arange(64) + 0.5) / 64
 def forecast(times: list[float], values: list[float], horizon_s: float, level_s: float | None = None) -> float:
     """``values`` ``horizon_s`` past the last time: their mean over the last ``level_s`` (all of them when
     None), carried from the middle of that span to the forecast time on their least-squares slope over all
-    of them; never below that mean (a falling trend does not shrink the pool: scale-down has its own rule)."""
+    of them; never below that mean (a falling trend does not shrink the pool: scale-down has its own rule).
+    Until the values span ``horizon_s``, the mean alone: a slope from less history than the distance it is
+    projected over projects mostly noise."""
     recent = [(t, v) for t, v in zip(times, values) if level_s is None or t >= times[-1] - level_s]
     level = fmean(v for _, v in recent)
-    if len(set(times)) < 2:
+    if len(set(times)) < 2 or times[-1] - times[0] < horizon_s:
         return level
     slope, _ = linear_regression(times, values)
     middle = fmean(t for t, _ in recent)

@@ -65,13 +65,21 @@ def test_tpot_miss_share_edges():
 
 
 def test_forecast_projects_a_ramp_along_its_line():
-    # 10 more per second: at t = 3 + 5 the line gives 40 + 5 * 10 = 90.
-    assert forecast([0, 1, 2, 3], [10, 20, 30, 40], 5) == pytest.approx(90)
+    times, values = list(range(11)), [10.0 * (t + 1) for t in range(11)]
+    # 10 more per second; the mean, 60, sits at t = 5: at t = 10 + 5 the line gives 60 + 10 x (10 - 5 + 5) = 160.
+    assert forecast(times, values, 5) == pytest.approx(160)
+    # The level from the last 2 s (t = 8-10: 100, mean at t = 9), carried on the same slope: 100 + 10 x 6 = 160.
+    assert forecast(times, values, 5, level_s=2) == pytest.approx(160)
+
+
+def test_forecast_is_the_mean_until_the_history_spans_the_horizon():
+    # 3 s of history projected 5 s ahead: the mean, 25.
+    assert forecast([0, 1, 2, 3], [10, 20, 30, 40], 5) == pytest.approx(25)
 
 
 def test_forecast_never_falls_below_the_window_mean():
     # A falling ramp projects below zero; the mean, 25, is the floor.
-    assert forecast([0, 1, 2, 3], [40, 30, 20, 10], 5) == pytest.approx(25)
+    assert forecast([0, 1, 2, 3], [40, 30, 20, 10], 3) == pytest.approx(25)
     assert forecast([7], [12], 5) == 12
 
 
@@ -128,14 +136,14 @@ def test_demand_too_big_for_max_replicas_asks_for_max():
 
 
 def test_decide_scales_up_for_the_demand_forecast_one_startup_ahead():
-    policy = slo_policy(target_prefill_high=0.5, window_s=30)
+    policy = slo_policy(target_prefill_high=0.5, window_s=30, profile=PROFILE.model_copy(update={"startup_s": 4}))
     decision = None
-    for t, rate in enumerate([100, 200, 300, 400, 500]):
+    for t, rate in enumerate([100, 200, 300, 400, 500, 600, 700]):
         decision = policy.decide(PoolObservation(float(t), 1, (report(rate, rate / 100),)))
-    # Demand over the intervals ending at 1-4 s: 200, 300, 400, 500 tokens/s (no backlog), rising 100 per
-    # second. One start-up (10 s) plus one decision (1 s) past 4 s: 500 + 11 x 100 = 1,600 tokens/s, which
-    # needs 1.6 / 0.5 = 3.2, so 4 replicas, though 500 tokens/s fit one now.
-    assert (decision.desired_replicas, decision.reason) == (4, "slo_prefill")
+    # Demand over the intervals ending at 1-6 s: 200-700 tokens/s (no backlog), rising 100 per second; its
+    # mean, 450, sits at 3.5 s. One start-up (4 s) plus one decision (1 s) past 6 s: 450 + 100 x (6 - 3.5 + 5)
+    # = 1,200 tokens/s, which needs 1.2 / 0.5 = 2.4, so 3 replicas, though 700 tokens/s fit 2 now.
+    assert (decision.desired_replicas, decision.reason) == (3, "slo_prefill")
 
 
 def test_a_backlog_counts_for_what_is_left_of_it_when_new_replicas_could_serve():
