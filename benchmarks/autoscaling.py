@@ -4,7 +4,8 @@
     .venv/bin/python benchmarks/autoscaling.py compare   [--out results/autoscaling]   # ~40 min, simulation
     .venv/bin/python benchmarks/autoscaling.py replot    [--out results/autoscaling]   # compare's plots again
     .venv/bin/python benchmarks/autoscaling.py knobs     [--out results/autoscaling]   # SRE-guide plots
-    .venv/bin/python benchmarks/autoscaling.py azure     [--out results/autoscaling]   # ~20 min, simulation
+    .venv/bin/python benchmarks/autoscaling.py azure     [--out results/autoscaling]   # ~10 min, simulation
+    .venv/bin/python benchmarks/autoscaling.py realcheck [--out results/autoscaling]   # ~14 min, real engines
 
 calibrate: measures the tiny model's engine on one core of this machine (KV capacity, prefill speed,
 decode step time against batch size, start-up), writes the ReplicaProfile, then replays a Poisson
@@ -23,6 +24,12 @@ azure: the same families on Azure's recorded LLM inference traces (2023; ../shar
 conversation trace, the code trace, and both back to back, judged on both SLOs (TTFT and TPOT), with the
 SLO-driven policy (``policy: slo``) given only the SLOs and the replica profile, its variants without the
 forecast and without the envelope, and its sensitivity to replica start-up (10, 30, 60 and 120 s).
+
+realcheck: a 10-minute window of the conversation trace, scaled to the tiny model (token counts x 0.25),
+replayed by `fleetserve bench`'s runner against the served platform with the SLO-driven policy (1-2
+replicas, the profile ``calibrate`` measured, 4 sequences per replica so that sequences bind), and the same
+window simulated with the same policy and profile: replica counts over time and SLO attainment, measured
+against simulated. Needs ``calibrate``'s calibration.json.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ import itertools
 import json
 import math
 import os
+import random
+import threading
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -41,13 +50,13 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+import yaml
 
 from fleetserve.cli.autoscale import plot_timeline
 from fleetserve.autoscaler.policies import make_policy
 from fleetserve.autoscaler.policy import Decision, KVCachePolicy, PoolObservation
 from fleetserve.platform.config import AutoscalingConfig
 from fleetserve.autoscaler.simulator import SLO, ReplicaProfile, simulate
-from fleetserve.autoscaler.slo_policy import SLOPolicy
 from fleetserve.autoscaler.traces import TraceRequest, from_csv, from_rate, ramp
 
 MiB = 1024 * 1024
@@ -473,7 +482,9 @@ AZURE_BACK_TO_BACK = ("conv", "code")
 # The same 8B-on-3g.40gb replica with decode's cost split as the hardware splits it: the weights read
 # once per step (9.6 ms), a little compute and bookkeeping per sequence, and each sequence's whole KV
 # read at 128 KiB/token over 1.675 TB/s (7.8e-8 s per token held). Derived, not measured (no GPU here).
-GPU_PROFILE_KV = GPU_PROFILE.model_copy(update={"decode_step_per_seq_s": 0.0001, "decode_step_per_kv_token_s": 7.8e-8})
+# The profile examples/autoscaling/slo.yaml ships, so the example is what these figures measured.
+SLO_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "autoscaling" / "slo.yaml"
+GPU_PROFILE_KV = ReplicaProfile(**yaml.safe_load(SLO_EXAMPLE.read_text())["profile"])
 AZURE_SLO = SLO(ttft_s=2.0, tpot_s=0.05)
 SLO_FAMILY = "slo (fleetserve)"
 SLO_VARIANTS = {"slo (fleetserve)": {}, "slo without forecast": {"horizon_s": 0.0},
@@ -687,9 +698,129 @@ def _azure_startups(traces: list[str], families: dict[str, list[dict]], best_ray
     return table
 
 
+# --- The SLO-driven policy on real engines -----------------------------------------------------------
+
+REALCHECK_PORT = 8047
+REALCHECK_SLO = SLO(ttft_s=1.0, tpot_s=0.05)
+REALCHECK_WINDOW = ("conv", 600.0, 600.0)  # trace, start and length in the trace's seconds
+REALCHECK_LENGTH_SCALE = 0.25
+REALCHECK_MAX_NUM_SEQS = 4
+
+
+def _realcheck(out: Path) -> None:
+    import ray
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+    from fleetserve.loadtest import datasets
+    from fleetserve.loadtest.runner import BenchConfig, run_benchmark
+    from fleetserve.platform.config import ReplicaProfile, parse_config
+
+    calibration = out / "calibration.json"
+    if not calibration.exists():
+        raise SystemExit(f"{calibration} is missing: run `benchmarks/autoscaling.py calibrate` first")
+    profile = ReplicaProfile(**json.loads(calibration.read_text())["profile"]).model_copy(
+        update={"max_num_seqs": REALCHECK_MAX_NUM_SEQS})
+    autoscaling = {"policy": "slo", "ttft_p99_s": REALCHECK_SLO.ttft_s, "tpot_p99_s": REALCHECK_SLO.tpot_s,
+                   "profile": profile.model_dump(), "min_replicas": 1, "max_replicas": 2}
+    model = {"name": "tiny", "source": "tiny-random-llama", "replicas": 1, "autoscaling": autoscaling,
+             "engine_args": {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 32 * MiB,
+                             "max_num_seqs": REALCHECK_MAX_NUM_SEQS, "enable_prefix_caching": False,
+                             "max_num_batched_tokens": 1024, "extra": {"enforce_eager": True}},
+             "resources": {"num_cpus": 0.1, "cpu_binding": ["1", "0"]}}
+    trace, start_s, duration_s = REALCHECK_WINDOW
+    from transformers import AutoTokenizer
+
+    from fleetserve.platform.model_store import resolve_source
+
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_source("tiny-random-llama")))
+    specs = datasets.trace_dataset(AZURE_DIR / AZURE_FILES[trace], datasets.PromptMaker(tokenizer, random.Random(0)),
+                                   start_s, duration_s, 1.0, REALCHECK_LENGTH_SCALE, 1024)
+    print(f"replaying {len(specs)} requests of the {trace} trace [{start_s:g}, {start_s + duration_s:g}) s", flush=True)
+    samples: list[tuple[float, int, int]] = []
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": REALCHECK_PORT})
+        serve.run(build_app(parse_config({"models": [model]})), name="fleetserve", route_prefix="/")
+        done = threading.Event()
+
+        def sample() -> None:
+            began = time.perf_counter()
+            while not done.is_set():
+                states = serve.status().applications["fleetserve"].deployments["engine-tiny"].replica_states
+                samples.append((time.perf_counter() - began, states.get("RUNNING", 0),
+                                sum(count for state, count in states.items() if state != "RUNNING")))
+                done.wait(2.0)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        config = BenchConfig(base_url=f"http://127.0.0.1:{REALCHECK_PORT}", model="tiny", ignore_eos=True,
+                             timeout_s=120.0)
+        result = asyncio.run(run_benchmark(config, specs))
+        done.set()
+        sampler.join()
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    requests = [TraceRequest(spec.send_at_s, spec.prompt_len, spec.max_tokens) for spec in specs]
+    simulated = simulate(requests, make_policy(AutoscalingConfig(**autoscaling)), profile, REALCHECK_SLO,
+                         initial_replicas=1, name="simulated")
+    measured = _measured(result.records, samples, REALCHECK_SLO)
+    report = {"window": {"trace": trace, "start_s": start_s, "duration_s": duration_s,
+                         "length_scale": REALCHECK_LENGTH_SCALE, "num_requests": len(specs)},
+              "slo": asdict(REALCHECK_SLO), "profile": profile.model_dump(), "measured": measured,
+              "simulated": {k: v for k, v in simulated.summary().items() if not k.startswith("decisions_")},
+              "simulated_replicas": [(p.time_s, p.num_replicas) for p in simulated.timeline],
+              "measured_replicas": samples}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "realcheck.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot_realcheck(out / "autoscaling-realcheck.png", samples, simulated)
+    sim = report["simulated"]
+    print(f"measured:  both SLOs {measured['slo_attainment']:.2%} (TTFT {measured['ttft_attainment']:.2%}, TPOT "
+          f"{measured['tpot_attainment']:.2%}), {measured['replica_seconds']:,.0f} replica-s, up to "
+          f"{measured['max_replicas']} replicas, {measured['num_failed']} failed")
+    print(f"simulated: both SLOs {sim['slo_attainment']:.2%} (TTFT {sim['ttft_attainment']:.2%}, TPOT "
+          f"{sim['tpot_attainment']:.2%}), {sim['replica_seconds']:,.0f} replica-s, up to {sim['max_replicas']} replicas")
+
+
+def _measured(records: list, samples: list[tuple[float, int, int]], slo: SLO) -> dict:
+    """SLO attainment of a real run (failed requests miss both), and replica-seconds from the sampled
+    counts (running plus starting, as the simulator counts them)."""
+    ttft_ok = [bool(r.ok and r.ttft is not None and r.ttft <= slo.ttft_s) for r in records]
+    tpot_ok = [bool(r.ok and (r.output_tokens <= 1 or (r.e2el - r.ttft) / (r.output_tokens - 1) <= slo.tpot_s))
+               for r in records]
+    seconds = sum((b[0] - a[0]) * (a[1] + a[2]) for a, b in zip(samples, samples[1:]))
+    n = max(1, len(records))
+    return {"num_requests": len(records), "num_failed": sum(not r.ok for r in records),
+            "ttft_attainment": sum(ttft_ok) / n, "tpot_attainment": sum(tpot_ok) / n,
+            "slo_attainment": sum(a and b for a, b in zip(ttft_ok, tpot_ok)) / n, "replica_seconds": seconds,
+            "max_replicas": max((running + starting for _, running, starting in samples), default=0)}
+
+
+def _plot_realcheck(path: Path, samples: list[tuple[float, int, int]], simulated) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(10, 3.5))
+    axis.step([t for t, _, _ in samples], [r + s for _, r, s in samples], where="post", label="measured (running + starting)")
+    axis.step([t for t, _, _ in samples], [r for _, r, _ in samples], where="post", label="measured (running)",
+              linestyle=":")
+    axis.step([p.time_s for p in simulated.timeline], [p.num_replicas for p in simulated.timeline], where="post",
+              label="simulated")
+    axis.set_xlabel("time (s)")
+    axis.set_ylabel("replicas")
+    axis.set_title("SLO-driven policy on a 10-minute window of the Azure conversation trace (tiny model)")
+    axis.legend(loc="upper left", fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["calibrate", "compare", "replot", "knobs", "azure"])
+    parser.add_argument("what", choices=["calibrate", "compare", "replot", "knobs", "azure", "realcheck"])
     parser.add_argument("--out", type=Path, default=Path("results/autoscaling"))
     parser.add_argument("--traces", default=",".join(TRACES),
                         help=f"compare: some of {', '.join([*TRACES, *BACK_TO_BACK])}")
@@ -706,6 +837,8 @@ def main() -> None:
         _replot(args.out)
     elif args.what == "azure":
         _azure(args.out)
+    elif args.what == "realcheck":
+        _realcheck(args.out)
     else:
         _knobs(args.out, [k for k in args.knobs.split(",") if k])
 

@@ -272,6 +272,8 @@ class SLOPolicy:
             return Decision(0, "idle_to_zero", f"no work for {now - self.idle_since:.0f}s")
         demand = self.demand()
         sizing = self.size(demand)
+        if not self.needs:  # the replicas the pool starts with are held one start-up too, as any it asks for
+            self.needs.append((now, current))
         self.needs.append((now, sizing.num_replicas))
         while self.needs[0][0] < now - self.hold_s:
             self.needs.popleft()

@@ -185,6 +185,13 @@ def test_scale_down_keeps_what_carried_99_percent_of_the_envelopes_requests():
     assert [d.desired_replicas for d in quiet] == [8] * 50 + [2, 2]
 
 
+def test_the_starting_replicas_are_held_one_startup():
+    policy = slo_policy()
+    decisions = [policy.decide(PoolObservation(float(t), 3, (report(100, 1),) * 3)) for t in range(12)]
+    # 300 tokens/s needs one replica, but the pool started with 3 at 0 s: held through 10 s (one start-up).
+    assert [d.desired_replicas for d in decisions] == [3] * 11 + [1]
+
+
 def test_scale_to_zero_after_idle_and_wake_on_work():
     policy = slo_policy(min_replicas=0, idle_to_zero_s=5)
     idle = [policy.decide(PoolObservation(float(t), 1, (report(),))) for t in range(7)]
