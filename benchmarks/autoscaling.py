@@ -22,14 +22,14 @@ process pool.
 
 azure: the same families on Azure's recorded LLM inference traces (2023; ../shared/data/traces): the
 conversation trace, the code trace, and both back to back, judged on both SLOs (TTFT and TPOT), with the
-SLO-driven policy (``policy: slo``) given only the SLOs and the replica profile, its variants without the
-forecast and without the envelope, and its sensitivity to replica start-up (10, 30, 60 and 120 s).
+SLO-driven policy (``policy: slo``) given only the SLOs and the replica profile, its variants without
+look-ahead and without the envelope, and its sensitivity to replica start-up (10, 30, 60 and 120 s).
 
-realcheck: a 10-minute window of the conversation trace, scaled to the tiny model (token counts x 0.25),
+realcheck: a 10-minute window of the conversation trace, scaled to a small model (token counts x 0.25),
 replayed by `fleetserve bench`'s runner against the served platform with the SLO-driven policy (1-2
-replicas, the profile ``calibrate`` measured, 4 sequences per replica so that sequences bind), and the same
-window simulated with the same policy and profile: replica counts over time and SLO attainment, measured
-against simulated. Needs ``calibrate``'s calibration.json.
+replicas, the profile ``calibrate --model`` measured), and the same window simulated with the same policy
+and profile: replica counts over time and SLO attainment, measured against simulated. Needs that model's
+calibration (``calibrate --model smollm2`` writes calibration-smollm2.json).
 """
 
 from __future__ import annotations
@@ -82,13 +82,27 @@ def _prompt(rng: np.random.Generator, length: int) -> list[int]:
     return rng.integers(10, 2000, length).tolist()  # random ids: no prefix-cache hits
 
 
-async def _calibrate(out: Path) -> None:
+# The models calibrate can measure: (source, max_model_len, KV bytes, validation loads as (req/s, mean prompt)).
+CALIBRATED_MODELS = {
+    "tiny": ("tiny-random-llama", 1024, 32 * MiB, ((3.0, 128), (40.0, 128), (12.0, 600))),
+    # SmolLM2-135M in float32 decodes ~20x slower and prefills ~150x slower than the tiny model on this CPU
+    # (21 ms steps, ~860 prompt tokens/s), and holds 46 KB of KV per token: lighter loads, more KV.
+    "smollm2": ("smollm2-135m-instruct", 2048, 512 * MiB, ((0.3, 128), (1.5, 128), (0.6, 600))),
+}
+
+
+def calibration_path(out: Path, model: str) -> Path:
+    return out / ("calibration.json" if model == "tiny" else f"calibration-{model}.json")
+
+
+async def _calibrate(out: Path, model_name: str = "tiny") -> None:
     from fleetserve.platform.config import ModelConfig
     from fleetserve.platform.engine import Engine
     from fleetserve.platform.model_store import resolve_source
 
-    model = ModelConfig.model_validate({"name": "tiny", "source": "tiny-random-llama", "engine_args": {
-        "dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 32 * MiB, "max_num_seqs": 32,
+    source, max_model_len, kv_bytes, loads = CALIBRATED_MODELS[model_name]
+    model = ModelConfig.model_validate({"name": model_name, "source": source, "engine_args": {
+        "dtype": "float32", "max_model_len": max_model_len, "kv_cache_memory_bytes": kv_bytes, "max_num_seqs": 32,
         "enable_prefix_caching": False, "max_num_batched_tokens": 1024}})
     started = time.perf_counter()
     engine = Engine.create(model, resolve_source(model.source), cpu_binding="1")
@@ -131,7 +145,7 @@ async def _calibrate(out: Path) -> None:
     # Validation: the same Poisson traces against the engine and the simulator, light and busy, and busy with
     # long prompts (where decode reads the most KV), with and without the per-KV-token cost.
     without_kv = profile.model_copy(update={"decode_step_per_kv_token_s": 0.0})
-    for rate, prompt_tokens in ((3.0, 128), (40.0, 128), (12.0, 600)):
+    for rate, prompt_tokens in loads:
         trace = ramp(45, rate, rate, prompt_tokens=prompt_tokens, output_tokens=64, spread=0.5, seed=3)
         t0 = time.perf_counter()
 
@@ -157,7 +171,7 @@ async def _calibrate(out: Path) -> None:
         report["validation"][f"{rate:g} req/s, {prompt_tokens}-token prompts"] = rows
     engine.shutdown()
     out.mkdir(parents=True, exist_ok=True)
-    (out / "calibration.json").write_text(json.dumps(report, indent=2) + "\n")
+    calibration_path(out, model_name).write_text(json.dumps(report, indent=2) + "\n")
     print(json.dumps(report["validation"], indent=2))
 
 
@@ -487,7 +501,9 @@ SLO_EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "autoscaling" /
 GPU_PROFILE_KV = ReplicaProfile(**yaml.safe_load(SLO_EXAMPLE.read_text())["profile"])
 AZURE_SLO = SLO(ttft_s=2.0, tpot_s=0.05)
 SLO_FAMILY = "slo (fleetserve)"
-SLO_VARIANTS = {"slo (fleetserve)": {}, "slo without forecast": {"horizon_s": 0.0},
+# The policy as shipped; without look-ahead (no trend, and the backlog drained within the TTFT target
+# rather than over a start-up: the reactive rules); without the envelope (the ski-rental hold alone).
+SLO_VARIANTS = {"slo (fleetserve)": {}, "slo, reactive": {"horizon_s": 0.0},
                 "slo without envelope": {"envelope_s": 0.0}}
 STARTUPS_S = (10.0, 30.0, 60.0, 120.0)
 
@@ -701,13 +717,15 @@ def _azure_startups(traces: list[str], families: dict[str, list[dict]], best_ray
 # --- The SLO-driven policy on real engines -----------------------------------------------------------
 
 REALCHECK_PORT = 8047
-REALCHECK_SLO = SLO(ttft_s=1.0, tpot_s=0.05)
 REALCHECK_WINDOW = ("conv", 600.0, 600.0)  # trace, start and length in the trace's seconds
 REALCHECK_LENGTH_SCALE = 0.25
-REALCHECK_MAX_NUM_SEQS = 4
+# Per model: the trace's rate scale, the sequences per replica (the tiny model's engine outruns this
+# machine's serving path unless few sequences bind) and the SLOs (SmolLM2's lone 290-token prompt takes
+# 0.34 s to prefill and its decode step 21 ms on one core).
+REALCHECK_LOAD = {"tiny": (1.0, 4, SLO(ttft_s=1.0, tpot_s=0.05)), "smollm2": (0.25, 32, SLO(ttft_s=2.0, tpot_s=0.1))}
 
 
-def _realcheck(out: Path) -> None:
+def _realcheck(out: Path, model_name: str = "tiny") -> None:
     import ray
     from ray import serve
 
@@ -716,16 +734,18 @@ def _realcheck(out: Path) -> None:
     from fleetserve.loadtest.runner import BenchConfig, run_benchmark
     from fleetserve.platform.config import ReplicaProfile, parse_config
 
-    calibration = out / "calibration.json"
+    calibration = calibration_path(out, model_name)
     if not calibration.exists():
-        raise SystemExit(f"{calibration} is missing: run `benchmarks/autoscaling.py calibrate` first")
+        raise SystemExit(f"{calibration} is missing: run `benchmarks/autoscaling.py calibrate --model {model_name}` first")
+    rate_scale, max_num_seqs, slo = REALCHECK_LOAD[model_name]
+    source, max_model_len, kv_bytes, _ = CALIBRATED_MODELS[model_name]
     profile = ReplicaProfile(**json.loads(calibration.read_text())["profile"]).model_copy(
-        update={"max_num_seqs": REALCHECK_MAX_NUM_SEQS})
-    autoscaling = {"policy": "slo", "ttft_p99_s": REALCHECK_SLO.ttft_s, "tpot_p99_s": REALCHECK_SLO.tpot_s,
+        update={"max_num_seqs": max_num_seqs})
+    autoscaling = {"policy": "slo", "ttft_p99_s": slo.ttft_s, "tpot_p99_s": slo.tpot_s,
                    "profile": profile.model_dump(), "min_replicas": 1, "max_replicas": 2}
-    model = {"name": "tiny", "source": "tiny-random-llama", "replicas": 1, "autoscaling": autoscaling,
-             "engine_args": {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 32 * MiB,
-                             "max_num_seqs": REALCHECK_MAX_NUM_SEQS, "enable_prefix_caching": False,
+    model = {"name": model_name, "source": source, "replicas": 1, "autoscaling": autoscaling,
+             "engine_args": {"dtype": "float32", "max_model_len": max_model_len, "kv_cache_memory_bytes": kv_bytes,
+                             "max_num_seqs": max_num_seqs, "enable_prefix_caching": False,
                              "max_num_batched_tokens": 1024, "extra": {"enforce_eager": True}},
              "resources": {"num_cpus": 0.1, "cpu_binding": ["1", "0"]}}
     trace, start_s, duration_s = REALCHECK_WINDOW
@@ -733,9 +753,9 @@ def _realcheck(out: Path) -> None:
 
     from fleetserve.platform.model_store import resolve_source
 
-    tokenizer = AutoTokenizer.from_pretrained(str(resolve_source("tiny-random-llama")))
+    tokenizer = AutoTokenizer.from_pretrained(str(resolve_source(source)))
     specs = datasets.trace_dataset(AZURE_DIR / AZURE_FILES[trace], datasets.PromptMaker(tokenizer, random.Random(0)),
-                                   start_s, duration_s, 1.0, REALCHECK_LENGTH_SCALE, 1024)
+                                   start_s, duration_s, rate_scale, REALCHECK_LENGTH_SCALE, max_model_len)
     print(f"replaying {len(specs)} requests of the {trace} trace [{start_s:g}, {start_s + duration_s:g}) s", flush=True)
     samples: list[tuple[float, int, int]] = []
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -747,14 +767,14 @@ def _realcheck(out: Path) -> None:
         def sample() -> None:
             began = time.perf_counter()
             while not done.is_set():
-                states = serve.status().applications["fleetserve"].deployments["engine-tiny"].replica_states
+                states = serve.status().applications["fleetserve"].deployments[f"engine-{model_name}"].replica_states
                 samples.append((time.perf_counter() - began, states.get("RUNNING", 0),
                                 sum(count for state, count in states.items() if state != "RUNNING")))
                 done.wait(2.0)
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        config = BenchConfig(base_url=f"http://127.0.0.1:{REALCHECK_PORT}", model="tiny", ignore_eos=True,
+        config = BenchConfig(base_url=f"http://127.0.0.1:{REALCHECK_PORT}", model=model_name, ignore_eos=True,
                              timeout_s=120.0)
         result = asyncio.run(run_benchmark(config, specs))
         done.set()
@@ -763,18 +783,19 @@ def _realcheck(out: Path) -> None:
         serve.shutdown()
         ray.shutdown()
     requests = [TraceRequest(spec.send_at_s, spec.prompt_len, spec.max_tokens) for spec in specs]
-    simulated = simulate(requests, make_policy(AutoscalingConfig(**autoscaling)), profile, REALCHECK_SLO,
+    simulated = simulate(requests, make_policy(AutoscalingConfig(**autoscaling)), profile, slo,
                          initial_replicas=1, name="simulated")
-    measured = _measured(result.records, samples, REALCHECK_SLO)
-    report = {"window": {"trace": trace, "start_s": start_s, "duration_s": duration_s,
-                         "length_scale": REALCHECK_LENGTH_SCALE, "num_requests": len(specs)},
-              "slo": asdict(REALCHECK_SLO), "profile": profile.model_dump(), "measured": measured,
+    measured = _measured(result.records, samples, slo)
+    report = {"model": model_name, "window": {"trace": trace, "start_s": start_s, "duration_s": duration_s,
+                                              "rate_scale": rate_scale, "length_scale": REALCHECK_LENGTH_SCALE,
+                                              "num_requests": len(specs)},
+              "slo": asdict(slo), "profile": profile.model_dump(), "measured": measured,
               "simulated": {k: v for k, v in simulated.summary().items() if not k.startswith("decisions_")},
               "simulated_replicas": [(p.time_s, p.num_replicas) for p in simulated.timeline],
               "measured_replicas": samples}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "realcheck.json").write_text(json.dumps(report, indent=2) + "\n")
-    _plot_realcheck(out / "autoscaling-realcheck.png", samples, simulated)
+    (out / f"realcheck-{model_name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    _plot_realcheck(out / f"autoscaling-realcheck-{model_name}.png", samples, simulated, model_name)
     sim = report["simulated"]
     print(f"measured:  both SLOs {measured['slo_attainment']:.2%} (TTFT {measured['ttft_attainment']:.2%}, TPOT "
           f"{measured['tpot_attainment']:.2%}), {measured['replica_seconds']:,.0f} replica-s, up to "
@@ -797,7 +818,7 @@ def _measured(records: list, samples: list[tuple[float, int, int]], slo: SLO) ->
             "max_replicas": max((running + starting for _, running, starting in samples), default=0)}
 
 
-def _plot_realcheck(path: Path, samples: list[tuple[float, int, int]], simulated) -> None:
+def _plot_realcheck(path: Path, samples: list[tuple[float, int, int]], simulated, model_name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -811,7 +832,7 @@ def _plot_realcheck(path: Path, samples: list[tuple[float, int, int]], simulated
               label="simulated")
     axis.set_xlabel("time (s)")
     axis.set_ylabel("replicas")
-    axis.set_title("SLO-driven policy on a 10-minute window of the Azure conversation trace (tiny model)")
+    axis.set_title(f"SLO-driven policy on a 10-minute window of the Azure conversation trace ({model_name})")
     axis.legend(loc="upper left", fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
@@ -825,9 +846,11 @@ def main() -> None:
     parser.add_argument("--traces", default=",".join(TRACES),
                         help=f"compare: some of {', '.join([*TRACES, *BACK_TO_BACK])}")
     parser.add_argument("--knobs", default="", help="knobs: only these (comma-separated)")
+    parser.add_argument("--model", default="tiny", choices=sorted(CALIBRATED_MODELS),
+                        help="calibrate, realcheck: the model measured (realcheck reads its calibration)")
     args = parser.parse_args()
     if args.what == "calibrate":
-        asyncio.run(_calibrate(args.out))
+        asyncio.run(_calibrate(args.out, args.model))
     elif args.what == "compare":
         unknown = set(args.traces.split(",")) - set(TRACES) - set(BACK_TO_BACK)
         if unknown:
@@ -838,7 +861,7 @@ def main() -> None:
     elif args.what == "azure":
         _azure(args.out)
     elif args.what == "realcheck":
-        _realcheck(args.out)
+        _realcheck(args.out, args.model)
     else:
         _knobs(args.out, [k for k in args.knobs.split(",") if k])
 
