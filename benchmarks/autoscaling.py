@@ -25,7 +25,8 @@ conversation trace, the code trace, and both back to back, judged on both SLOs (
 SLO-driven policy (``policy: slo``) given only the SLOs and the replica profile, its variants without
 look-ahead and without the envelope, and its sensitivity to replica start-up (10, 30, 60 and 120 s).
 
-realcheck: a 10-minute window of the conversation trace, scaled to a small model (token counts x 0.25),
+realcheck: a 10-minute window of the conversation trace at its recorded times, scaled to a small model
+(token counts x 0.25 for the tiny model, x 0.1 for SmolLM2),
 replayed by `fleetserve bench`'s runner against the served platform with the SLO-driven policy (1-2
 replicas, the profile ``calibrate --model`` measured), and the same window simulated with the same policy
 and profile: replica counts over time and SLO attainment, measured against simulated. Needs that model's
@@ -78,6 +79,27 @@ async def _generate(engine, prompt: list[int], max_tokens: int, request_id: str)
     return first - start, last - first, count
 
 
+async def _token_times(engine, prompt: list[int], max_tokens: int, request_id: str) -> list[float]:
+    """When each output token of one greedy request arrived, ignoring EOS."""
+    from fleetserve.platform.engine import SamplingOptions
+
+    times = []
+    async for delta in engine.generate(prompt, SamplingOptions(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                                       request_id):
+        times += [time.perf_counter()] * len(delta.token_ids)
+    return times
+
+
+async def _decode_step(engine, rng: np.random.Generator, ids, batch: int, prompt_tokens: int) -> float:
+    """Seconds per decode step of ``batch`` sequences over ``prompt_tokens``-token prompts: measured only while
+    all of them decode (after the last prefill, before the first finishes), so no prefill is counted."""
+    runs = await asyncio.gather(*[_token_times(engine, _prompt(rng, prompt_tokens), 96, f"s{next(ids)}")
+                                  for _ in range(batch)])
+    start, end = max(times[0] for times in runs), min(times[-1] for times in runs)
+    steps = [sum(start < t <= end for t in times) for times in runs]
+    return (end - start) / max(1, int(np.median(steps)))
+
+
 def _prompt(rng: np.random.Generator, length: int) -> list[int]:
     return rng.integers(10, 2000, length).tolist()  # random ids: no prefix-cache hits
 
@@ -118,19 +140,20 @@ async def _calibrate(out: Path, model_name: str = "tiny") -> None:
     # Decode: per-token time at several batch sizes, fitted to base + per_seq * batch.
     batches, step_times = [1, 4, 8, 16, 32], []
     for batch in batches:
-        runs = await asyncio.gather(*[_generate(engine, _prompt(rng, 16), 96, f"d{next(ids)}") for _ in range(batch)])
-        step_times.append(float(np.median([span / (count - 1) for _, span, count in runs])))
+        step_times.append(await _decode_step(engine, rng, ids, batch, 16))
         print(f"decode batch {batch}: {step_times[-1] * 1000:.2f} ms/token", flush=True)
-    per_seq, base = np.polyfit(batches, step_times, 1)
     # Context: the same batch of 8 over 16-, 256- and 640-token prompts; the step grows with the KV it reads.
     contexts, context_steps = [16, 256, 640], []
     for context in contexts:
-        runs = await asyncio.gather(*[_generate(engine, _prompt(rng, context), 96, f"c{next(ids)}") for _ in range(8)])
-        context_steps.append(float(np.median([span / (count - 1) for _, span, count in runs])))
+        context_steps.append(await _decode_step(engine, rng, ids, 8, context))
         print(f"decode batch 8 at {context}-token prompts: {context_steps[-1] * 1000:.2f} ms/token", flush=True)
-    # Each sequence holds its prompt plus, on average over the 96 steps, half its output.
-    kv_held = [8 * (context + 48) for context in contexts]
-    per_kv_token = max(0.0, float(np.polyfit(kv_held, context_steps, 1)[0]))
+    # One least-squares fit of step = base + per_seq * batch + per_kv_token * KV held over all eight runs:
+    # each sequence holds its prompt plus, on average over its 96 steps, half its output (fitting the batch
+    # runs alone first would credit their sequences' KV to per_seq, and count it twice).
+    points = [(batch, batch * (16 + 48)) for batch in batches] + [(8, 8 * (context + 48)) for context in contexts]
+    design = np.array([[1.0, batch, kv] for batch, kv in points])
+    base, per_seq, per_kv_token = np.linalg.lstsq(design, np.array(step_times + context_steps), rcond=None)[0]
+    per_kv_token = max(0.0, float(per_kv_token))
     # What a lone short request's TTFT has beyond one step (API, IPC, scheduling).
     overhead = max(0.0, short_ttft - base - 32 / prefill_rate)
     profile = ReplicaProfile(kv_capacity_tokens=int(engine.kv_capacity_tokens), prefill_tokens_per_s=float(prefill_rate),
@@ -375,13 +398,7 @@ def _compare(out: Path, traces: list[str]) -> None:
     families = _families()
     jobs = [(trace, family, spec) for trace in traces for family, specs in families.items() for spec in specs]
     jobs += [(trace, f"{family} as shipped", spec) for trace in traces for family, spec in SHIPPED.items()]
-    rows: list[dict] = []
-    started = time.perf_counter()
-    with ProcessPoolExecutor(os.cpu_count()) as pool:
-        for row in pool.map(_simulate, jobs, chunksize=2):
-            rows.append(row)
-            if len(rows) % 25 == 0 or len(rows) == len(jobs):
-                print(f"{len(rows)}/{len(jobs)} simulations ({time.perf_counter() - started:.0f} s)", flush=True)
+    rows = _run(jobs, _simulate, chunksize=2)
     report: dict = {"profile": GPU_PROFILE.model_dump(), "slo": asdict(SLO_TARGET), "traces": {}}
     out.mkdir(parents=True, exist_ok=True)
     for trace in traces:
@@ -607,11 +624,12 @@ def _simulate_azure(job: tuple[str, str, dict, float]) -> dict:
             **result.summary()}
 
 
-def _run(jobs: list, worker) -> list[dict]:
+def _run(jobs: list, worker, chunksize: int = 1) -> list[dict]:
+    """``worker`` over ``jobs`` in a process pool, with progress every 20 simulations."""
     rows: list[dict] = []
     started = time.perf_counter()
     with ProcessPoolExecutor(os.cpu_count()) as pool:
-        for row in pool.map(worker, jobs, chunksize=1):
+        for row in pool.map(worker, jobs, chunksize=chunksize):
             rows.append(row)
             if len(rows) % 20 == 0 or len(rows) == len(jobs):
                 print(f"{len(rows)}/{len(jobs)} simulations ({time.perf_counter() - started:.0f} s)", flush=True)
@@ -718,11 +736,11 @@ def _azure_startups(traces: list[str], families: dict[str, list[dict]], best_ray
 
 REALCHECK_PORT = 8047
 REALCHECK_WINDOW = ("conv", 600.0, 600.0)  # trace, start and length in the trace's seconds
-REALCHECK_LENGTH_SCALE = 0.25
-# Per model: the trace's rate scale, the sequences per replica (the tiny model's engine outruns this
-# machine's serving path unless few sequences bind) and the SLOs (SmolLM2's lone 290-token prompt takes
-# 0.34 s to prefill and its decode step 21 ms on one core).
-REALCHECK_LOAD = {"tiny": (1.0, 4, SLO(ttft_s=1.0, tpot_s=0.05)), "smollm2": (0.25, 32, SLO(ttft_s=2.0, tpot_s=0.1))}
+# Per model: the token counts' scale, the sequences per replica (the tiny model's engine outruns this
+# machine's serving path unless few sequences bind) and the SLOs (SmolLM2 prefills ~900 tokens/s and
+# decodes in 21 ms steps on one core: a tenth of the trace's tokens, at its recorded times, loads about
+# one replica and a half).
+REALCHECK_LOAD = {"tiny": (0.25, 4, SLO(ttft_s=1.0, tpot_s=0.05)), "smollm2": (0.1, 32, SLO(ttft_s=2.0, tpot_s=0.1))}
 
 
 def _realcheck(out: Path, model_name: str = "tiny") -> None:
@@ -737,7 +755,7 @@ def _realcheck(out: Path, model_name: str = "tiny") -> None:
     calibration = calibration_path(out, model_name)
     if not calibration.exists():
         raise SystemExit(f"{calibration} is missing: run `benchmarks/autoscaling.py calibrate --model {model_name}` first")
-    rate_scale, max_num_seqs, slo = REALCHECK_LOAD[model_name]
+    length_scale, max_num_seqs, slo = REALCHECK_LOAD[model_name]
     source, max_model_len, kv_bytes, _ = CALIBRATED_MODELS[model_name]
     profile = ReplicaProfile(**json.loads(calibration.read_text())["profile"]).model_copy(
         update={"max_num_seqs": max_num_seqs})
@@ -755,7 +773,7 @@ def _realcheck(out: Path, model_name: str = "tiny") -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_source(source)))
     specs = datasets.trace_dataset(AZURE_DIR / AZURE_FILES[trace], datasets.PromptMaker(tokenizer, random.Random(0)),
-                                   start_s, duration_s, rate_scale, REALCHECK_LENGTH_SCALE, max_model_len)
+                                   start_s, duration_s, 1.0, length_scale, max_model_len)
     print(f"replaying {len(specs)} requests of the {trace} trace [{start_s:g}, {start_s + duration_s:g}) s", flush=True)
     samples: list[tuple[float, int, int]] = []
     ray.init(include_dashboard=False, log_to_driver=False)
@@ -787,7 +805,7 @@ def _realcheck(out: Path, model_name: str = "tiny") -> None:
                          initial_replicas=1, name="simulated")
     measured = _measured(result.records, samples, slo)
     report = {"model": model_name, "window": {"trace": trace, "start_s": start_s, "duration_s": duration_s,
-                                              "rate_scale": rate_scale, "length_scale": REALCHECK_LENGTH_SCALE,
+                                              "length_scale": length_scale,
                                               "num_requests": len(specs)},
               "slo": asdict(slo), "profile": profile.model_dump(), "measured": measured,
               "simulated": {k: v for k, v in simulated.summary().items() if not k.startswith("decisions_")},
