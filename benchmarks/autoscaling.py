@@ -26,7 +26,7 @@ SLO-driven policy (``policy: slo``) given only the SLOs and the replica profile,
 look-ahead and without the envelope, and its sensitivity to replica start-up (10, 30, 60 and 120 s).
 
 realcheck: a 10-minute window of the conversation trace at its recorded times, scaled to a small model
-(token counts x 0.25 for the tiny model, x 0.1 for SmolLM2),
+(token counts x 0.25 for the tiny model, x 0.05 for SmolLM2),
 replayed by `fleetserve bench`'s runner against the served platform with the SLO-driven policy (1-2
 replicas, the profile ``calibrate --model`` measured), and the same window simulated with the same policy
 and profile: replica counts over time and SLO attainment, measured against simulated. Needs that model's
@@ -738,9 +738,9 @@ REALCHECK_PORT = 8047
 REALCHECK_WINDOW = ("conv", 600.0, 600.0)  # trace, start and length in the trace's seconds
 # Per model: the token counts' scale, the sequences per replica (the tiny model's engine outruns this
 # machine's serving path unless few sequences bind) and the SLOs (SmolLM2 prefills ~900 tokens/s and
-# decodes in 21 ms steps on one core: a tenth of the trace's tokens, at its recorded times, loads about
-# one replica and a half).
-REALCHECK_LOAD = {"tiny": (0.25, 4, SLO(ttft_s=1.0, tpot_s=0.05)), "smollm2": (0.1, 32, SLO(ttft_s=2.0, tpot_s=0.1))}
+# decodes in 21 ms steps on one core: a twentieth of the trace's tokens, at its recorded times, keeps one
+# replica a third busy prefilling, more at the trace's peaks; a tenth held two replicas saturated).
+REALCHECK_LOAD = {"tiny": (0.25, 4, SLO(ttft_s=1.0, tpot_s=0.05)), "smollm2": (0.05, 32, SLO(ttft_s=2.0, tpot_s=0.1))}
 
 
 def _realcheck(out: Path, model_name: str = "tiny") -> None:
