@@ -28,8 +28,8 @@ logger = logging.getLogger("ray.serve")
 METRICS_ACTOR = "fleetserve-autoscaler-metrics"
 METRICS_NAMESPACE = "fleetserve"
 # The report's fields that travel as Serve's custom autoscaling metrics (floats by name), and those that are counts.
-METRIC_FIELDS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "prompt_tokens_per_s",
-                 "first_tokens_per_s", "num_pending_prompt_tokens", "ttft_s")
+METRIC_FIELDS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "generated_tokens_per_s",
+                 "prompt_tokens_per_s", "first_tokens_per_s", "num_pending_prompt_tokens", "ttft_s")
 COUNT_FIELDS = frozenset({"num_waiting", "num_running", "num_pending_prompt_tokens"})
 # Each pool's latest desired count by (application, model, pool): Serve runs every deployment's policy in
 # its one controller process, so a disaggregated model's two pools read each other's here (pd_ratio).

@@ -307,6 +307,7 @@ def _decide(policy: Policy, replicas: list[_Replica], queue: deque, now: float,
                                       first_tokens_per_s=len(replica.recent_ttfts) / interval_s,
                                       tokens_per_s=(replica.recent_prompt_tokens
                                                     + replica.recent_generated_tokens) / interval_s,
+                                      generated_tokens_per_s=replica.recent_generated_tokens / interval_s,
                                       num_pending_prompt_tokens=pending,
                                       ttft_s=fmean(replica.recent_ttfts) if replica.recent_ttfts else None))
         ttfts += replica.recent_ttfts

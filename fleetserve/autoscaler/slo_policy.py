@@ -5,7 +5,8 @@ Pure Python (no Ray). Each decision:
 
 1. measures demand over the window, in tokens: prompt tokens/s (computed, plus backlog growth, plus what
    the backlog adds if it is to be drained by the time new capacity could serve), KV tokens held, and
-   sequences running or waiting; and the mean prompt and output a request brings;
+   sequences running or waiting; and the mean prompt and output a request brings (computed prompt tokens
+   and generated tokens per first token);
 2. forecasts each one ``profile.startup_s`` ahead (a replica asked for now serves only then): the level is
    the window's mean, the trend a line fitted over ``TREND_STARTUPS`` start-ups of history (a trend fitted
    over less than the horizon it projects across mostly projects noise), never below the level;
@@ -200,7 +201,7 @@ class SLOPolicy:
         times = [obs.time_s for obs in reporting]
         recent = [obs for obs in reporting if obs.time_s >= times[-1] - level_s]
         computed = sum(r.prompt_tokens_per_s for obs in recent for r in obs.replicas)
-        generated = sum(max(0.0, r.tokens_per_s - r.prompt_tokens_per_s) for obs in recent for r in obs.replicas)
+        generated = sum(r.generated_tokens_per_s for obs in recent for r in obs.replicas)
         firsts = sum(r.first_tokens_per_s for obs in recent for r in obs.replicas)
         if firsts > 0 and computed > 0:
             self.mean_prompt_tokens = computed / firsts

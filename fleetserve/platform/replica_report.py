@@ -28,8 +28,9 @@ class ReplicaReport:
     num_pending_prompt_tokens: int = 0
     # Requests the engine has run to completion since it started (admission control's drain rate).
     num_finished: int = 0
-    # Prompt plus generated tokens per second since the previous report.
+    # Prompt plus generated tokens per second since the previous report, and generated tokens alone.
     tokens_per_s: float = 0.0
+    generated_tokens_per_s: float = 0.0
     # Prompt tokens the engine computed itself per second since the previous report (prefix-cache hits
     # and KV received from a prefill replica excluded: no work here).
     prompt_tokens_per_s: float = 0.0
@@ -68,6 +69,7 @@ class ReplicaReporter:
                       - before.num_prompt_tokens - before.num_generation_tokens)
             firsts = stats.num_first_tokens - before.num_first_tokens
             rates = {"tokens_per_s": tokens / seconds,
+                     "generated_tokens_per_s": (stats.num_generation_tokens - before.num_generation_tokens) / seconds,
                      "prompt_tokens_per_s": (stats.num_computed_prompt_tokens - before.num_computed_prompt_tokens) / seconds,
                      "first_tokens_per_s": firsts / seconds,
                      "ttft_s": (stats.ttft_sum_s - before.ttft_sum_s) / firsts if firsts > 0 else None}

@@ -34,10 +34,10 @@ def slo_policy(**knobs) -> SLOPolicy:
 
 
 def report(prompt_tokens_per_s: float = 0.0, firsts_per_s: float = 0.0, kv: float = 0.0, running: int = 0,
-           waiting: int = 0, pending: int = 0) -> ReplicaReport:
+           waiting: int = 0, pending: int = 0, generated_per_s: float = 0.0) -> ReplicaReport:
     return ReplicaReport(kv_cache_usage=kv, num_running=running, num_waiting=waiting,
                          num_pending_prompt_tokens=pending, prompt_tokens_per_s=prompt_tokens_per_s,
-                         first_tokens_per_s=firsts_per_s)
+                         first_tokens_per_s=firsts_per_s, generated_tokens_per_s=generated_per_s)
 
 
 def test_ttft_miss_share_is_an_mm1_queues_time_in_system():
@@ -155,11 +155,12 @@ def test_a_backlog_counts_for_what_is_left_of_it_when_new_replicas_could_serve()
     assert (heavy.desired_replicas, heavy.reason) == (6, "slo_prefill")
 
 
-def test_mean_prompt_is_measured_from_computed_tokens_per_first_token():
+def test_mean_prompt_and_output_are_measured_per_first_token():
     policy = slo_policy()
-    policy.decide(PoolObservation(0.0, 1, (report(2000, 4),)))
-    # 2,000 prompt tokens/s over 4 first tokens/s: 500-token prompts.
-    assert policy.demand().mean_prompt_tokens == 500
+    policy.decide(PoolObservation(0.0, 1, (report(2000, 4, generated_per_s=600),)))
+    # 2,000 prompt tokens/s and 600 generated tokens/s over 4 first tokens/s: 500-token prompts, 150-token outputs.
+    demand = policy.demand()
+    assert (demand.mean_prompt_tokens, demand.mean_output_tokens) == (500, 150)
 
 
 def test_scale_down_waits_one_startup_then_goes_to_the_most_needed_since():

@@ -34,6 +34,8 @@ def test_first_report_has_no_rates_then_rates_cover_the_interval():
                                    ttft_sum_s=1.5, num_first_tokens=3, num_finished=4), num_pending_prompt_tokens=0)
     # (300 + 90 - 100 - 50) / 2 s = 120 tokens/s; 120 computed / 2 s = 60; 1.5 s over 3 first tokens = 0.5 s.
     assert (second.tokens_per_s, second.prompt_tokens_per_s, second.ttft_s) == (120.0, 60.0, 0.5)
+    # (90 - 50) / 2 s = 20 generated tokens/s; 3 first tokens / 2 s = 1.5/s.
+    assert (second.generated_tokens_per_s, second.first_tokens_per_s) == (20.0, 1.5)
     assert (second.num_finished, second.kv_cache_usage, second.num_running, second.num_waiting) == (4, 0.5, 3, 1)
 
 
@@ -52,7 +54,8 @@ class ReplicaID:
 
 def test_a_report_survives_serves_autoscaling_metrics():
     report = ReplicaReport(replica_id="r0", pool="prefill", kv_cache_usage=0.25, num_running=2, num_waiting=5,
-                           num_pending_prompt_tokens=640, tokens_per_s=80.0, prompt_tokens_per_s=40.0, ttft_s=0.3)
+                           num_pending_prompt_tokens=640, tokens_per_s=80.0, prompt_tokens_per_s=40.0, ttft_s=0.3,
+                           generated_tokens_per_s=40.0, first_tokens_per_s=2.0)
     metrics = autoscaling_metrics(report)
     # Serve keeps {metric: {replica: value}}; num_finished is admission control's, not the autoscaler's.
     aggregated = {name: {ReplicaID("r0"): value} for name, value in metrics.items()}
