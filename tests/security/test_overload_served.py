@@ -230,9 +230,15 @@ def test_replica_crash_under_load_retries_unstarted_requests_and_recovers(guarde
             gauges = await asyncio.get_running_loop().run_in_executor(None, engine_gauges, guarded.base_url, MODEL)
             if any(replica == victim_id and values.get("waiting", 0) > 0 for (_, replica), values in gauges.items()):
                 break
+            if bench.done():  # the load ended before the victim queued anything: say how it ended
+                outcome = bench.result()
+                raise AssertionError(f"the load finished before {victim_id} had waiting requests: "
+                                     f"{outcome.metrics['completed']} completed, statuses "
+                                     f"{sorted({r.status_code for r in outcome.records})}, errors "
+                                     f"{[r.error for r in outcome.records if not r.ok][:3]}; gauges {gauges}")
             await asyncio.sleep(0.1)
         else:
-            raise AssertionError(f"replica {victim_id} never had waiting requests: {gauges}")
+            raise AssertionError(f"replica {victim_id} never had waiting requests in 30 s: {gauges}")
         killed_at = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, kill, victims[0])
         return await bench, killed_at
