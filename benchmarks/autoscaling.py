@@ -435,16 +435,22 @@ def _compare(out: Path, traces: list[str]) -> None:
     (out / "compare.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
 
 
+def _runs_by_spec(rows: list[dict], family: str) -> dict[str, list[dict]]:
+    """One family's rows grouped by configuration (its spec as sorted JSON): each configuration's runs."""
+    by_spec: dict[str, list[dict]] = {}
+    for row in rows:
+        if row["family"] == family:
+            by_spec.setdefault(json.dumps(row["spec"], sort_keys=True), []).append(row)
+    return by_spec
+
+
 def _one_for_all(rows: list[dict], traces: list[str], families: dict[str, list[dict]]) -> dict:
     """Per family, the one configuration that reaches 99% on every trace for the fewest replica-seconds in
     all: what an SRE who cannot retune per traffic shape would deploy."""
     chosen = {}
     print("\none configuration for every trace (reaching 99% on each, fewest replica-seconds in all):")
     for family in families:
-        by_spec: dict[str, list[dict]] = {}
-        for row in rows:
-            if row["family"] == family:
-                by_spec.setdefault(json.dumps(row["spec"], sort_keys=True), []).append(row)
+        by_spec = _runs_by_spec(rows, family)
         passing = [runs for runs in by_spec.values()
                    if len(runs) == len(traces) and all(run["ttft_attainment"] >= 0.99 for run in runs)]
         if not passing:
@@ -700,10 +706,7 @@ def _azure_one_for_all(rows: list[dict], traces: list[str], families: dict[str, 
     chosen = {}
     print("\none configuration for every trace (best worst-trace attainment of both SLOs):")
     for family in families:
-        by_spec: dict[str, list[dict]] = {}
-        for row in rows:
-            if row["family"] == family:
-                by_spec.setdefault(json.dumps(row["spec"], sort_keys=True), []).append(row)
+        by_spec = _runs_by_spec(rows, family)
         runs = max(by_spec.values(), key=lambda runs: (round(min(r["slo_attainment"] for r in runs), 3),
                                                         -sum(r["replica_seconds"] for r in runs)))
         chosen[family] = {"spec": runs[0]["spec"], "total_replica_seconds": sum(r["replica_seconds"] for r in runs),

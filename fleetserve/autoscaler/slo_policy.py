@@ -222,7 +222,6 @@ class SLOPolicy:
         profile, pool = self.profile, self.config.pool
         prefills, decodes = pool != "decode", pool != "prefill"
         reason: Reason = "slo_prefill" if pool == "prefill" else "slo_kv"
-        misses = MissShares(1.0, 1.0, 1.0, math.inf)
         # What no number of replicas removes (a prompt whose own prefill takes the TTFT target; steps slower
         # than the TPOT target on an empty replica) is not a reason to add one.
         floor = miss_shares(profile, demand, math.inf, self.ttft_s, self.tpot_s, prefills, decodes)
