@@ -26,7 +26,7 @@ def main() -> None:
     port, cores = int(sys.argv[2]), sys.argv[3]
     config = LLMConfig(
         model_loading_config={"model_id": model.name, "model_source": str(resolve_source(model.source))},
-        engine_kwargs=model.engine_args.to_vllm_kwargs(),
+        engine_kwargs=model.engine_kwargs(),
         accelerator_config={"kind": "cpu"},
         # The engine's worker on the same cores as the other servers' (read when vLLM spawns it).
         runtime_env={"env_vars": {"VLLM_CPU_OMP_THREADS_BIND": cores}},

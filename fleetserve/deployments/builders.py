@@ -71,7 +71,8 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
             tests inject fakes).
     """
     bindings = cpu_bindings_per_deployment(config)
-    hub = MetricsHubDeployment.bind()
+    hub = MetricsHubDeployment.bind({model.name: {adapter.name: adapter.source for adapter in model.lora.adapters}
+                                     for model in config.models if model.lora is not None})
     engines = {}
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None

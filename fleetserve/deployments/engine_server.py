@@ -19,6 +19,7 @@ from typing import Any
 from ray import serve
 
 from fleetserve.autoscaler.serve_adapter import autoscaling_metrics
+from fleetserve.platform.adapter_registry import AdapterOp, AdapterSet
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead
 from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
@@ -27,6 +28,7 @@ from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics
 from fleetserve.platform.model_store import resolve_source
 from fleetserve.platform.relay import relay, request_headers
+from fleetserve.platform.replica_adapters import ReplicaAdapters
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
 from fleetserve.platform.stats import EngineStats
 from fleetserve.router.replica.serve_adapter import KVEventSource, routing_stats
@@ -66,6 +68,13 @@ class EngineServer:
         if kv_events_port is not None:
             extra["kv_events_port"] = kv_events_port
         self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics], **extra)
+        # The model's LoRA adapters (None without lora:); the names the engine holds, for the router.
+        self.adapters = ReplicaAdapters(path) if model.lora is not None else None
+        self.resident_adapter_names: list[str] = []
+
+    async def _serving_app(self) -> Any:
+        """vLLM's app, ready to serve (the Serve replica also waits for its adapters to sync)."""
+        return await self.engine.openai_app()
 
     async def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:
         """Runs one API request through vLLM's own OpenAI app; streams its response as coalesced bytes.
@@ -82,7 +91,7 @@ class EngineServer:
 
     async def _run(self, request: ApiRequest, body: bytes, started_at: float,
                    prefill_replica_id: str | None = None) -> AsyncIterator[ReplicaChunk]:
-        app = await self.engine.openai_app()
+        app = await self._serving_app()
         events = call_app(app, request.endpoint.value, body, request_headers(request))
         head = ResponseHead(0, "", self.replica_id, started_at, prefill_replica_id)
         async for chunk in relay(events, head, request.strip_usage):
@@ -92,6 +101,28 @@ class EngineServer:
                     "message": f"model `{self.model.name}` does not serve {request.endpoint.value}",
                     "type": "not_found_error", "param": None, "code": "endpoint_not_served"}}).encode())
             yield chunk
+
+    async def change_adapter(self, op: AdapterOp, name: str, source: str | None = None,
+                             load_inplace: bool = False) -> tuple[int, bytes]:
+        """Loads or unloads one LoRA adapter on this replica, with vLLM's semantics.
+
+        Returns:
+            The status code and body (vLLM's success text, or OpenAI error JSON).
+        """
+        if self.adapters is None:
+            return 400, json.dumps({"error": {
+                "message": f"model `{self.model.name}` serves no LoRA adapters: add lora: to its config",
+                "type": "invalid_request_error", "param": "model", "code": "lora_not_enabled"}}).encode()
+        return await self.adapters.change(await self._serving_app(), op, name, source, load_inplace)
+
+    async def sync_adapters(self, desired: AdapterSet) -> None:
+        """Converges this replica on the registry's adapter set, then notes which adapters the engine holds."""
+        if self.adapters is None:
+            return
+        app = await self.engine.openai_app()
+        if desired.version != self.adapters.version:
+            await self.adapters.sync(app, desired)
+        self.resident_adapter_names = await self.adapters.resident(app, self.engine)
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -131,19 +162,37 @@ class ServeReplica:
         return context.replica_id.unique_id, binding
 
     def _start_replica_tasks(self, metrics_hub: Any) -> None:
-        """Starts publishing metrics, and builds vLLM's app now rather than on the first request."""
+        """Starts publishing metrics, and builds vLLM's app (with the current adapter set) now rather than
+        on the first request."""
         loop = asyncio.get_event_loop()
-        self._app_warmup = loop.create_task(self.engine.openai_app())
         self._hub = metrics_hub
+        self._app_warmup = loop.create_task(self._warm_up())
         self._publisher = loop.create_task(self._publish()) if metrics_hub else None
+
+    async def _warm_up(self) -> Any:
+        app = await self.engine.openai_app()
+        if self.adapters is not None and self._hub is not None:
+            # A replica started after adapters changed at run time serves the current set from its first request.
+            try:
+                await self.sync_adapters(await self._hub.adapter_set.remote(self.model.name))
+            except Exception:  # noqa: BLE001 - serve the configured set; the publish loop syncs again
+                logger.warning("adapter sync at start failed; serving the configured adapters", exc_info=True)
+        return app
+
+    async def _serving_app(self) -> Any:
+        return await self._app_warmup
 
     async def _publish(self) -> None:
         while self.engine is not None:
             try:
-                await self._hub.push.remote(self.replica_id, self.model.name, self.pool, self.metrics.exposition(),
-                                            self.report(self._hub_reporter))
+                version = self.adapters.version if self.adapters is not None and self._app_warmup.done() else None
+                desired = await self._hub.push.remote(self.replica_id, self.model.name, self.pool,
+                                                      self.metrics.exposition(), self.report(self._hub_reporter),
+                                                      version)
+                if version is not None:
+                    await self.sync_adapters(desired)
             except Exception:  # noqa: BLE001 - the hub restarting must not take the engine down
-                logger.warning("metrics push failed; retrying", exc_info=True)
+                logger.warning("metrics push or adapter sync failed; retrying", exc_info=True)
             await asyncio.sleep(PUBLISH_PERIOD_S)
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -152,7 +201,7 @@ class ServeReplica:
             return {}
         endpoint = getattr(self, "_kv_events_endpoint", None)
         events = KVEventSource(endpoint, self.engine.block_size) if endpoint is not None else None
-        return routing_stats(self.report(self._routing_reporter), events)
+        return routing_stats(self.report(self._routing_reporter), events, self.resident_adapter_names)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook (every autoscaling metrics_interval_s)."""

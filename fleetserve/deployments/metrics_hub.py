@@ -2,6 +2,8 @@
 
 Ray's own metrics export renames every metric (``ray_`` prefix), which would break vLLM's names;
 so replicas publish their own prometheus-client expositions here instead, about once a second.
+The hub also holds the LoRA adapter registry: each push answers with the set of adapters the
+replica's base model should serve, so replicas converge on it within a push period.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 
 from ray import serve
 
+from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry, AdapterSet
 from fleetserve.platform.replica_report import ReplicaReport
 
 
@@ -32,30 +35,61 @@ class MetricsHub:
     """The latest exposition of every live engine replica.
 
     Args:
+        adapters: base model -> adapter name -> source, the configured LoRA adapters.
         ttl_s: a replica silent this long is gone (dead or scaled down) and its series are dropped.
     """
 
-    def __init__(self, ttl_s: float = 15.0) -> None:
+    def __init__(self, adapters: dict[str, dict[str, str]] | None = None, ttl_s: float = 15.0) -> None:
         self.ttl_s = ttl_s
+        self.adapters = AdapterRegistry(adapters)
         self._latest: dict[str, Publication] = {}
         # replica id -> its report at its last push (admission control reads them)
         self._reports: dict[str, ReplicaReport] = {}
 
     def _prune(self) -> None:
         horizon = time.monotonic() - self.ttl_s
-        for replica_id in [key for key, entry in self._latest.items() if entry.pushed_at < horizon]:
+        gone = [key for key, entry in self._latest.items() if entry.pushed_at < horizon]
+        for replica_id in gone:
             del self._latest[replica_id]
             self._reports.pop(replica_id, None)
+        self.adapters.forget(gone)
 
     async def push(self, replica_id: str, model: str, pool: str, exposition: bytes,
-                   report: ReplicaReport | None = None) -> None:
+                   report: ReplicaReport | None = None, adapters_version: int | None = None) -> AdapterSet:
+        """Takes a replica's metrics and report; answers with the adapter set its base model should serve.
+
+        Args:
+            adapters_version: the adapter set version the replica serves; None before it has synced.
+        """
         self._latest[replica_id] = Publication(model, pool, time.monotonic(), exposition)
         if report is not None:
             self._reports[replica_id] = report
+        if adapters_version is not None:
+            self.adapters.record_applied(replica_id, model, adapters_version)
+        return self.adapters.desired(model)
 
     async def remove(self, replica_id: str) -> None:
         self._latest.pop(replica_id, None)
         self._reports.pop(replica_id, None)
+        self.adapters.forget([replica_id])
+
+    async def adapter_set(self, model: str) -> AdapterSet:
+        """The adapters every replica of ``model`` should serve."""
+        return self.adapters.desired(model)
+
+    async def adapter_bases(self) -> dict[str, str]:
+        """Every registered adapter's name -> its base model."""
+        return self.adapters.bases()
+
+    async def change_adapters(self, op: AdapterOp, model: str, name: str, source: str | None = None) -> int:
+        """Loads or unloads one adapter of ``model`` in the registry; returns the new set's version."""
+        return self.adapters.apply(op, model, name, source).version
+
+    async def adapter_progress(self, model: str, version: int) -> tuple[int, int]:
+        """(live replicas of ``model`` serving ``version`` or later, live replicas of ``model``)."""
+        self._prune()
+        live = [replica_id for replica_id, entry in self._latest.items() if entry.model == model]
+        return self.adapters.progress(model, version, live)
 
     async def loads(self) -> dict[str, list[ReplicaReport]]:
         """Every live replica's latest report, per model."""

@@ -45,6 +45,8 @@ class RoutingHints:
     messages: list[dict[str, Any]] | None = None
     # prefix_source kv_events: the completion prompt, text or token ids.
     prompt: str | list[int] | None = None
+    # The LoRA adapter the request asks for (its model name); None for the base model.
+    adapter: str | None = None
 
 
 @dataclass(frozen=True)

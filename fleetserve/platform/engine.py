@@ -172,7 +172,7 @@ class Engine:
 
         frontend = frontend_args(model, model_path)
 
-        kwargs = model.engine_args.to_vllm_kwargs()
+        kwargs = model.engine_kwargs()
         if model.api.reasoning_parser is not None:
             # An engine arg in vLLM: structured outputs must know where reasoning ends.
             kwargs.setdefault("reasoning_parser", model.api.reasoning_parser)
@@ -325,6 +325,10 @@ class Engine:
         if logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
+
+    async def resident_lora_ids(self) -> set[int]:
+        """vLLM's ids of the LoRA adapters the engine holds now (its adapter cache)."""
+        return await self._llm.list_loras()
 
     async def abort(self, request_id: str) -> None:
         """Frees the request's KV blocks and stops its generation; unknown ids are ignored."""

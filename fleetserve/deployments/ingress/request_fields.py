@@ -53,14 +53,18 @@ class RequestFields:
             return " " * 4 * len(self.prompt)
         return self.prompt or ""
 
-    def routing_hints(self, session_id: str | None) -> RoutingHints:
+    def routing_hints(self, session_id: str | None, adapter: str | None = None) -> RoutingHints:
+        """What the replica router reads; ``adapter`` is the LoRA adapter the request names, if any."""
         if self.messages is not None:
             text = "".join(f"<{message['role']}>{message['content']}" for message in self.messages)
         else:
             text = self.prompt if isinstance(self.prompt, str) else " ".join(map(str, self.prompt or []))
+        if adapter is not None:
+            # vLLM's prefix cache is per adapter: the same prompt under another adapter shares no blocks.
+            text = f"<lora:{adapter}>{text}"
         user = self.payload.get("user")
         return RoutingHints(text, session_id or (user if isinstance(user, str) else None),
-                            self.messages, self.prompt)
+                            self.messages, self.prompt, adapter)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:

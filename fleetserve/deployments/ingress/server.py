@@ -36,11 +36,19 @@ from fleetserve.deployments.ingress.protocol import (
     APIError,
     new_id,
 )
+from fleetserve.deployments.ingress.adapters import (
+    AdapterCatalog,
+    AdapterChange,
+    AdapterDirectory,
+    HubAdapterCatalog,
+    LocalAdapterCatalog,
+)
 from fleetserve.deployments.ingress.limits import LoadSource, WorkLimits, check_request_limits, effective_max_tokens
 from fleetserve.deployments.ingress.model_clients import HandleModelClient, ModelClient
 from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
 from fleetserve.deployments.ingress.streaming import EventStreamResponse, as_api_error, error_response, relay_stream
+from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig
 from fleetserve.deployments.ingress.metrics import IngressMetrics
@@ -56,6 +64,11 @@ PRIORITY_RANK = {"interactive": 0, "batch": 1}
 PRIORITY_ENDPOINTS = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES)
 # Every path the ingress forwards; requests on them are counted in fleetserve_requests_total.
 FORWARDED_ROUTES = tuple(endpoint.value for endpoint in Endpoint)
+# The admin API's paths for LoRA adapters (vLLM's), and the header saying how many replicas serve a change.
+ADAPTER_PATHS = {AdapterOp.LOAD: "/v1/load_lora_adapter", AdapterOp.UNLOAD: "/v1/unload_lora_adapter"}
+HEADER_ADAPTER_REPLICAS = "x-fleetserve-adapter-replicas"
+# How long an adapter change waits for every replica of its base to serve it.
+ADAPTER_WAIT_S = 60.0
 # Paths anyone may call when auth is on: liveness and the API's schema.
 OPEN_PATHS = ("/health", "/openapi.json", "/docs")
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
@@ -76,12 +89,15 @@ class OpenAIIngress:
         limits: request limits and overload protection.
         load_source: returns the engines' latest stats per model, for admission control; None bounds
             admission by max_in_flight_per_replica alone.
+        adapter_catalog: where the LoRA adapter registry lives; None keeps one in this process (over no
+            servers: changes then reach the one replica each runs on).
     """
 
     def __init__(self, clients: dict[str, ModelClient], pool: str = "colocated",
                  metrics_source: MetricsSource | None = None, models: dict[str, ModelConfig] | None = None,
                  routes: RouteTable | None = None, front_door: FrontDoor | None = None,
-                 limits: LimitsConfig | None = None, load_source: LoadSource | None = None) -> None:
+                 limits: LimitsConfig | None = None, load_source: LoadSource | None = None,
+                 adapter_catalog: AdapterCatalog | None = None) -> None:
         self.clients = clients
         self.pool = pool
         self.created = int(time.time())
@@ -94,6 +110,13 @@ class OpenAIIngress:
         self.front_door = front_door
         self.limits = limits or LimitsConfig()
         self.work = WorkLimits(list(clients), self.models, self.limits, self.platform_metrics, load_source)
+        configured = {name: model.name for model in self.models.values() for name in model.adapter_names}
+        lora_bases = [model.name for model in self.models.values() if model.lora is not None]
+        if adapter_catalog is None:
+            adapter_catalog = LocalAdapterCatalog(AdapterRegistry({
+                model.name: {a.name: a.source for a in model.lora.adapters}
+                for model in self.models.values() if model.lora is not None}), {})
+        self.adapters = AdapterDirectory(configured, lora_bases, adapter_catalog)
         if front_door is None:
             logger.warning("AUTH IS OFF: this endpoint serves anyone who can reach it, with no rate limits. "
                            "Add `auth:` to the platform config to require API keys.")
@@ -114,7 +137,16 @@ class OpenAIIngress:
         return self.front_door.authenticate(request.headers.get("authorization"))
 
     def _known(self, name: str) -> bool:
-        return name in self.clients or (self.routes is not None and self.routes.is_routed(name))
+        return (name in self.clients or self.adapters.base_of(name) is not None
+                or (self.routes is not None and self.routes.is_routed(name)))
+
+    def _base(self, name: str) -> str:
+        """The served model whose engines run ``name``: the base model of an adapter, else ``name``."""
+        return self.adapters.base_of(name) or name
+
+    def _config(self, name: str) -> ModelConfig | None:
+        """The config of the model (or of the adapter's base model) ``name``."""
+        return self.models.get(self._base(name))
 
     def build_app(self) -> FastAPI:
         """The FastAPI app serving the API."""
@@ -191,18 +223,65 @@ class OpenAIIngress:
         for endpoint in Endpoint:
             app.add_api_route(endpoint.value, self._endpoint_handler(endpoint), methods=["POST"],
                               name=endpoint.name.lower())
+        for op, path in ADAPTER_PATHS.items():
+            app.add_api_route(path, self._adapter_handler(op), methods=["POST"], name=f"{op.value}_lora_adapter")
         return app
 
     def _model_cards(self, principal: Principal | None) -> list[dict[str, Any]]:
         routed = self.routes.names() if self.routes is not None else []
-        listed = [(name, "fleetserve") for name in self.clients] + [(name, "fleetserve-router") for name in routed]
-        return [{"id": name, "object": "model", "created": self.created, "owned_by": owner}
-                for name, owner in listed if principal is None or principal.may_use(name)]
+        listed = [(name, "fleetserve", None) for name in self.clients]
+        listed += [(name, "fleetserve", base) for name, base in sorted(self.adapters.bases.items())]
+        listed += [(name, "fleetserve-router", None) for name in routed]
+        cards = []
+        for name, owner, parent in listed:
+            if principal is None or principal.may_use(name):
+                card = {"id": name, "object": "model", "created": self.created, "owned_by": owner}
+                cards.append({**card, "parent": parent} if parent is not None else card)
+        return cards
+
+    def _adapter_handler(self, op: AdapterOp) -> Callable[[Request], Awaitable[Response]]:
+        async def handler(raw: Request) -> Response:
+            principal = getattr(raw.state, "principal", None)
+            if principal is not None:
+                self.front_door.require_admin(principal)
+            body = parse_body(await read_body(raw, self.limits.max_body_bytes))
+            try:
+                change = AdapterChange.model_validate(body)
+            except ValueError as error:
+                raise APIError(f"invalid adapter change: {error}", 400, code="invalid_adapter_change") from None
+            if op is AdapterOp.LOAD and not change.lora_path:
+                raise APIError("Both 'lora_name' and 'lora_path' must be provided.", 400, param="lora_path")
+            return await self.change_adapter(op, change)
+
+        return handler
+
+    async def change_adapter(self, op: AdapterOp, change: AdapterChange) -> Response:
+        """Loads or unloads a LoRA adapter on every replica of its base model (the admin API).
+
+        Returns:
+            vLLM's response from the first replica; on success once every live replica serves the change
+            (or ``ADAPTER_WAIT_S`` passed), with ``x-fleetserve-adapter-replicas: <serving>/<live>``.
+        """
+        await self.adapters.refresh(force=True)
+        taken = set(self.clients) | set(self.routes.names() if self.routes is not None else [])
+        base = self.adapters.base_for_change(change, op, taken)
+        status, body = await self.clients[base].change_adapter(op, change.lora_name, change.lora_path,
+                                                               change.load_inplace)
+        if status != 200:
+            return Response(body, status_code=status, media_type="application/json")
+        version = await self.adapters.catalog.change(op, base, change.lora_name, change.lora_path)
+        done, live = await self.adapters.wait_for(base, version, ADAPTER_WAIT_S)
+        await self.adapters.refresh(force=True)
+        logger.info("adapter %s %s on %s: %d of %d replicas serve it", change.lora_name, op.value, base, done, live)
+        return Response(body, status_code=200, media_type="text/plain",
+                        headers={HEADER_ADAPTER_REPLICAS: f"{done}/{live}"})
 
     def _endpoint_handler(self, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
         async def handler(raw: Request) -> Response:
             body = await read_body(raw, self.limits.max_body_bytes)
             fields = read_fields(endpoint, parse_body(body))
+            if not self._known(fields.model):
+                await self.adapters.refresh()  # an adapter loaded through another ingress replica
             raw.state.model = fields.model if self._known(fields.model) else None
             charge = self._admit(raw, fields)
             try:
@@ -240,7 +319,7 @@ class OpenAIIngress:
             self.front_door.check_model(principal, fields.model)
         else:
             self._client(fields.model)  # a 404 naming the models, as without auth
-        config = self.models.get(fields.model)
+        config = self._config(fields.model)
         budget = effective_max_tokens(fields, self.limits, config.engine_args.max_model_len if config else None)
         tokens = estimated_tokens(fields.prompt_text, budget)
         self.front_door.limiter.admit(principal.tenant, tokens)
@@ -275,20 +354,21 @@ class OpenAIIngress:
 
     def _pool_of(self, model: str) -> str:
         """The pool whose replica streams the response (decode for a disaggregated model)."""
-        config = self.models.get(model)
+        config = self._config(model)
         return config.serving_pool if config is not None else self.pool
 
     def _client(self, model: str) -> ModelClient:
-        client = self.clients.get(model)
+        client = self.clients.get(self._base(model))
         if client is None:
-            raise APIError(f"The model `{model}` does not exist. Available models: {', '.join(self.clients)}",
+            names = [*self.clients, *sorted(self.adapters.bases)]
+            raise APIError(f"The model `{model}` does not exist. Available models: {', '.join(names)}",
                            404, "not_found_error", param="model", code="model_not_found")
         return client
 
     def _priority(self, model: str, tenant: str | None) -> int | None:
         """vLLM's request priority for the tenant's class (0 interactive, 1 batch; lower runs first), on a
         model whose engines schedule by priority; None elsewhere (vLLM refuses priorities there)."""
-        config = self.models.get(model)
+        config = self._config(model)
         if tenant is None or config is None or config.engine_args.extra.get("scheduling_policy") != "priority":
             return None
         return PRIORITY_RANK["batch" if self.front_door.is_batch(tenant) else "interactive"]
@@ -337,11 +417,13 @@ class OpenAIIngress:
         client = self._client(model)
         request_id = new_id("req")
         forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body, self._priority(model, tenant))
-        request = ApiRequest(request_id, endpoint, forwarded, strip_usage, fields.routing_hints(session_id))
+        base = self._base(model)
+        hints = fields.routing_hints(session_id, adapter=model if base != model else None)
+        request = ApiRequest(request_id, endpoint, forwarded, strip_usage, hints)
         if endpoint.generates:
             share = self.front_door.share(tenant) if tenant is not None else None
-            self.work.admit(model, tenant, share, batch=tenant is not None and self.front_door.is_batch(tenant))
-        stream, first = await self._start(model, client, request, tenant)
+            self.work.admit(base, tenant, share, batch=tenant is not None and self.front_door.is_batch(tenant))
+        stream, first = await self._start(base, client, request, tenant)
         head = first.head
         headers = {HEADER_MODEL: model, HEADER_REPLICA: head.replica_id, HEADER_POOL: self._pool_of(model),
                    HEADER_REQUEST_ID: request_id}
@@ -373,7 +455,7 @@ class OpenAIIngress:
         return Response(b"".join(parts), status_code=head.status_code, media_type=head.media_type, headers=headers)
 
     def _account(self, model: str, usage: TokenUsage | None, choice: RouteChoice | None = None) -> None:
-        config = self.models.get(model)
+        config = self._config(model)
         if config is None or usage is None:
             return
         cost = config.request_cost(usage.num_prompt_tokens, usage.num_completion_tokens)
@@ -422,7 +504,8 @@ class IngressDeployment(OpenAIIngress):
         load_source = metrics_hub.loads.remote if metrics_hub is not None else None
         super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
                          metrics_source=source, models=models, routes=RouteTable(model_routing) if model_routing else None,
-                         front_door=FrontDoor(auth) if auth else None, limits=limits, load_source=load_source)
+                         front_door=FrontDoor(auth) if auth else None, limits=limits, load_source=load_source,
+                         adapter_catalog=HubAdapterCatalog(metrics_hub) if metrics_hub is not None else None)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.build_app()

@@ -8,6 +8,7 @@ every error names the offending key path, e.g. ``models.0.engine_args.dtype``.
 * ``autoscaling``: ``AutoscalingConfig`` and ``ReplicaProfile``, shared by the platform and the simulator.
 * ``routing``: ``RoutingConfig`` (replicas) and ``ModelRoutingConfig`` (routed model names).
 * ``disaggregation``: prefill and decode pools.
+* ``lora``: a base model's LoRA adapters and vLLM's LoRA limits.
 * ``model``: ``ModelConfig``, one served model.
 * ``front_door``: listening address, limits, API keys and tenants.
 * ``platform``: ``PlatformConfig`` and ``parse_config`` / ``load_config`` / ``default_config``.
@@ -20,11 +21,12 @@ from fleetserve.platform.config.base import ConfigError, MiB, parse_section
 from fleetserve.platform.config.disaggregation import POOLS, DisaggregationConfig, PDRatio, PoolConfig
 from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, ApiConfig, EngineArgs, Resources
 from fleetserve.platform.config.front_door import APIKeyConfig, AuthConfig, LimitsConfig, ServerConfig, TenantConfig
+from fleetserve.platform.config.lora import LoraAdapter, LoraConfig
 from fleetserve.platform.config.model import ModelConfig
 from fleetserve.platform.config.platform import PlatformConfig, default_config, load_config, parse_config
 from fleetserve.platform.config.routing import ModelRoute, ModelRoutingConfig, RoutingConfig
 
 __all__ = ["APIKeyConfig", "ApiConfig", "AuthConfig", "AutoscalingConfig", "ConfigError", "DisaggregationConfig",
-           "EngineArgs", "KV_LAYOUT_ARGS", "LimitsConfig", "MiB", "ModelConfig", "ModelRoute", "ModelRoutingConfig",
+           "EngineArgs", "KV_LAYOUT_ARGS", "LimitsConfig", "LoraAdapter", "LoraConfig", "MiB", "ModelConfig", "ModelRoute", "ModelRoutingConfig",
            "PDRatio", "POOLS", "PlatformConfig", "PoolConfig", "ReplicaProfile", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
            "default_config", "load_config", "parse_config", "parse_section"]

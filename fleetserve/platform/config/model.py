@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
 
 from fleetserve.platform.config.autoscaling import AutoscalingConfig
 from fleetserve.platform.config.base import NAME_PATTERN, Strict
 from fleetserve.platform.config.disaggregation import DisaggregationConfig, PoolConfig
 from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, ApiConfig, EngineArgs, Resources
+from fleetserve.platform.config.lora import LoraConfig
 from fleetserve.platform.config.routing import RoutingConfig
 
 
@@ -34,6 +37,8 @@ class ModelConfig(Strict):
     cost_per_million_output_tokens: float = Field(default=0.0, ge=0)
     # Separate prefill and decode pools; None serves both phases on the same replicas (colocated).
     disaggregation: DisaggregationConfig | None = None
+    # LoRA adapters of this base model, each served as a model name; None serves the base alone.
+    lora: LoraConfig | None = None
     # Which pool this config describes; set by pool_model() for a disaggregated model's pools.
     _pool: str = PrivateAttr(default="colocated")
 
@@ -50,6 +55,32 @@ class ModelConfig(Strict):
             raise ValueError("engine_args.extra.kv_events_config: the platform sets it for "
                              "routing.prefix_source kv_events; remove it")
         return self
+
+    @model_validator(mode="after")
+    def _check_lora(self) -> ModelConfig:
+        if self.lora is None:
+            return self
+        if self.disaggregation is not None:
+            raise ValueError("lora is not supported for disaggregated models yet: serve the adapters' base "
+                             "colocated")
+        if self.routing.prefix_source == "kv_events":
+            # vLLM's block hashes include the adapter; the router's token-id index does not, yet.
+            raise ValueError("lora with routing.prefix_source kv_events is not supported yet; use routed")
+        if any(key in self.engine_args.extra for key in self.lora.engine_kwargs()):
+            raise ValueError(f"engine_args.extra: set LoRA limits in lora:, not "
+                             f"{sorted(set(self.engine_args.extra) & set(self.lora.engine_kwargs()))}")
+        if self.name in self.adapter_names:
+            raise ValueError(f"lora.adapters: {self.name!r} is the base model's own name")
+        return self
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The names of the adapters configured under this base (empty without lora)."""
+        return [adapter.name for adapter in self.lora.adapters] if self.lora is not None else []
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.AsyncEngineArgs``: the engine args plus the LoRA limits."""
+        return {**self.engine_args.to_vllm_kwargs(), **(self.lora.engine_kwargs() if self.lora else {})}
 
     @model_validator(mode="after")
     def _check_disaggregation(self) -> ModelConfig:

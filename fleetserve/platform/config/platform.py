@@ -29,7 +29,7 @@ class PlatformConfig(Strict):
     def _tenants_name_served_models(self) -> PlatformConfig:
         if self.auth is None:
             return self
-        names = {model.name for model in self.models}
+        names = {model.name for model in self.models} | {name for model in self.models for name in model.adapter_names}
         if self.model_routing is not None:
             names |= {route.name for route in self.model_routing.routes}
         for tenant, spec in self.auth.tenants.items():
@@ -42,10 +42,10 @@ class PlatformConfig(Strict):
     @model_validator(mode="after")
     def _unique_names(self) -> PlatformConfig:
         seen: set[str] = set()
-        for model in self.models:
-            if model.name in seen:
-                raise ValueError(f"model name {model.name!r} appears twice; names must be unique")
-            seen.add(model.name)
+        for name in [model.name for model in self.models] + [a for model in self.models for a in model.adapter_names]:
+            if name in seen:
+                raise ValueError(f"model name {name!r} appears twice; model and adapter names must be unique")
+            seen.add(name)
         return self
 
     @model_validator(mode="after")
@@ -58,7 +58,7 @@ class PlatformConfig(Strict):
         names: set[str] = set()
         for route in routing.routes:
             where = f"model_routing.routes[{route.name}]"
-            if route.name in served or route.name in names:
+            if route.name in served or route.name in names or route.name in self.adapter_bases():
                 raise ValueError(f"{where}: the name is already a served model or another route")
             names.add(route.name)
             if route.tiers is None and not routing.tiers:
@@ -83,6 +83,10 @@ class PlatformConfig(Strict):
                 raise ValueError(f"{where}: tiers must be ordered cheapest first by cost per 1M output "
                                  f"(then input) tokens; got {dict(zip(tiers, prices))}")
         return self
+
+    def adapter_bases(self) -> dict[str, str]:
+        """Each configured adapter's name -> its base model's name."""
+        return {name: model.name for model in self.models for name in model.adapter_names}
 
     def model(self, name: str) -> ModelConfig:
         for model in self.models:

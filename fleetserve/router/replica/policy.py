@@ -2,7 +2,7 @@
 
 Pure Python (no Ray); the Serve request router in ``serve_adapter.py`` feeds them replica loads and
 prompt text. ``CacheAwarePolicy`` has the shape of SGLang's cache-aware router: a load-imbalance
-check with named thresholds comes first, then prefix-cache affinity, then load.
+check with named thresholds comes first, then prefix-cache affinity, then LoRA adapter affinity, then load.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Literal, Protocol
 from fleetserve.platform.config import RoutingConfig
 from fleetserve.router.replica.prefix_index import PrefixIndex
 
-Reason = Literal["cache_hit", "load", "imbalance", "session", "round_robin", "power_of_two"]
+Reason = Literal["cache_hit", "adapter", "load", "imbalance", "session", "round_robin", "power_of_two"]
 
 
 class NoReplicaError(RuntimeError):
@@ -33,6 +33,8 @@ class ReplicaLoad:
     num_outstanding: int = 0
     # KV-cache usage its engine last reported, 0-1; None before the first report.
     kv_cache_usage: float | None = None
+    # The LoRA adapters its engine last reported holding.
+    adapter_names: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,15 @@ class RoutingDecision:
 class ReplicaPolicy(Protocol):
     """What Serve's request router (``serve_adapter``) runs for each request."""
 
-    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None,
+               adapter: str | None = None) -> RoutingDecision:
         """Picks one of ``replicas`` for a request.
 
         Args:
             text: the routing key: the prompt's text, or its token ids when keyed by the engines' KV events.
             replicas: every live replica's load, as the router sees it now.
             session_id: the request's session (``user`` or x-session-id), for session affinity.
+            adapter: the LoRA adapter the request asks for; None for the base model.
 
         Raises:
             NoReplicaError: when ``replicas`` is empty.
@@ -98,7 +102,12 @@ class CacheAwareThresholds:
 
 
 class CacheAwarePolicy:
-    """Prefix-cache-aware routing guarded by a load-imbalance check.
+    """Prefix-cache-aware and adapter-aware routing guarded by a load-imbalance check.
+
+    A request for a LoRA adapter with no prefix hit goes to the least loaded replica holding the adapter (as
+    its engine last reported, or where this router last sent it), so adapters are not loaded everywhere.
+    vLLM's prefix cache is per adapter, and the ingress keys an adapter's prompts apart, so a prefix hit
+    implies the adapter too.
 
     Args:
         thresholds: when affinity may win over load.
@@ -110,6 +119,8 @@ class CacheAwarePolicy:
     def __init__(self, thresholds: CacheAwareThresholds | None = None, index: PrefixIndex | None = None) -> None:
         self.thresholds = thresholds or CacheAwareThresholds()
         self.index = index or PrefixIndex()
+        # adapter -> the replica this router last sent it to (engines report what they hold once a period).
+        self._adapter_homes: dict[str, str] = {}
 
     def is_imbalanced(self, replicas: Sequence[ReplicaLoad]) -> bool:
         loads = [replica.num_outstanding for replica in replicas]
@@ -117,7 +128,8 @@ class CacheAwarePolicy:
         return (high - low > self.thresholds.balance_abs_threshold
                 and high > low * self.thresholds.balance_rel_threshold)
 
-    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None,
+               adapter: str | None = None) -> RoutingDecision:
         _require(replicas)
         hashes = self.index.hashes(text)
         matches = {match.replica_id: match for match in self.index.match(hashes, [r.replica_id for r in replicas])}
@@ -127,8 +139,12 @@ class CacheAwarePolicy:
             # Longest match first; among equal matches, the less loaded.
             best = max(replicas, key=lambda r: (matches[r.replica_id].num_matched_blocks, -r.num_outstanding,
                                                 -(r.kv_cache_usage or 0.0)))
+            holders = [r for r in replicas if adapter is not None
+                       and (adapter in r.adapter_names or self._adapter_homes.get(adapter) == r.replica_id)]
             if matches[best.replica_id].ratio >= self.thresholds.cache_threshold:
                 chosen, reason = best, "cache_hit"
+            elif holders:
+                chosen, reason = _least_loaded(holders), "adapter"
             else:
                 # Among equally loaded replicas, the one caching least has the most room for a new prefix
                 # (SGLang's smallest-tree rule); without it every new prefix lands on the same replica.
@@ -136,10 +152,14 @@ class CacheAwarePolicy:
                                                       r.kv_cache_usage or 0.0, r.replica_id))
                 reason = "load"
         self.index.insert(chosen.replica_id, hashes)
+        if adapter is not None:
+            self._adapter_homes[adapter] = chosen.replica_id
         return RoutingDecision(chosen.replica_id, reason, matches[chosen.replica_id].ratio)
 
     def forget(self, live_replica_ids: Sequence[str]) -> None:
         self.index.retain(live_replica_ids)
+        live = set(live_replica_ids)
+        self._adapter_homes = {name: home for name, home in self._adapter_homes.items() if home in live}
 
 
 class SessionAffinityPolicy:
@@ -150,14 +170,15 @@ class SessionAffinityPolicy:
         self.max_sessions = max_sessions
         self._sessions: OrderedDict[str, str] = OrderedDict()
 
-    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None,
+               adapter: str | None = None) -> RoutingDecision:
         _require(replicas)
         if session_id is not None:
             pinned = self._sessions.get(session_id)
             if pinned is not None and any(replica.replica_id == pinned for replica in replicas):
                 self._sessions.move_to_end(session_id)
                 return RoutingDecision(pinned, "session")
-        decision = self.inner.choose(text, replicas, session_id)
+        decision = self.inner.choose(text, replicas, session_id, adapter)
         if session_id is not None:
             self._sessions[session_id] = decision.replica_id
             while len(self._sessions) > self.max_sessions:
@@ -174,7 +195,8 @@ class SessionAffinityPolicy:
 class LeastLoadedPolicy:
     """Fewest outstanding requests."""
 
-    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None,
+               adapter: str | None = None) -> RoutingDecision:
         _require(replicas)
         return RoutingDecision(_least_loaded(replicas).replica_id, "load")
 
@@ -188,7 +210,8 @@ class RoundRobinPolicy:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None,
+               adapter: str | None = None) -> RoutingDecision:
         _require(replicas)
         ordered = sorted(replicas, key=lambda r: r.replica_id)
         return RoutingDecision(ordered[next(self._counter) % len(ordered)].replica_id, "round_robin")
@@ -203,7 +226,8 @@ class PowerOfTwoPolicy:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None) -> RoutingDecision:
+    def choose(self, text: str, replicas: Sequence[ReplicaLoad], session_id: str | None = None,
+               adapter: str | None = None) -> RoutingDecision:
         _require(replicas)
         sample = self._rng.sample(list(replicas), min(2, len(replicas)))
         return RoutingDecision(_least_loaded(sample).replica_id, "power_of_two")

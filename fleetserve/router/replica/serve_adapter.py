@@ -36,10 +36,11 @@ class KVEventSource:
     block_size: int
 
 
-def routing_stats(report: ReplicaReport, kv_events: KVEventSource | None = None) -> dict[str, Any]:
+def routing_stats(report: ReplicaReport, kv_events: KVEventSource | None = None,
+                  adapter_names: Sequence[str] = ()) -> dict[str, Any]:
     """What a replica returns from Serve's ``record_routing_stats`` hook."""
     stats: dict[str, Any] = {"kv_cache_usage": report.kv_cache_usage, "num_running": report.num_running,
-                             "num_waiting": report.num_waiting}
+                             "num_waiting": report.num_waiting, "adapter_names": list(adapter_names)}
     if kv_events is not None:
         stats.update(kv_events_endpoint=kv_events.endpoint, kv_block_size=kv_events.block_size)
     return stats
@@ -51,13 +52,15 @@ class RoutingStats:
 
     kv_cache_usage: float | None
     kv_events: KVEventSource | None
+    # The LoRA adapters its engine holds.
+    adapter_names: frozenset[str] = frozenset()
 
     @classmethod
     def of(cls, replica: RunningReplica) -> RoutingStats:
         stats = replica.routing_stats or {}
         events = (KVEventSource(stats["kv_events_endpoint"], int(stats["kv_block_size"]))
                   if "kv_events_endpoint" in stats else None)
-        return cls(stats.get("kv_cache_usage"), events)
+        return cls(stats.get("kv_cache_usage"), events, frozenset(stats.get("adapter_names", ())))
 
 
 def routing_hints(request: Any) -> RoutingHints | None:
@@ -65,12 +68,13 @@ def routing_hints(request: Any) -> RoutingHints | None:
     return request.routing if isinstance(request, ApiRequest) else None
 
 
-def request_text(request: Any) -> tuple[str, str | None]:
-    """The routing key text of an ApiRequest (its prompt, or its messages in order) and its session."""
+def request_text(request: Any) -> tuple[str, str | None, str | None]:
+    """The routing key text of an ApiRequest (its prompt, or its messages in order), its session, and the
+    LoRA adapter it asks for."""
     routing = routing_hints(request)
     if routing is None:
-        return "", None
-    return routing.prefix_text, routing.session_id
+        return "", None, None
+    return routing.prefix_text, routing.session_id, routing.adapter
 
 
 class EventKeys:
@@ -148,14 +152,15 @@ class FleetserveRequestRouter(RequestRouter):
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True
         request = pending_request.args[0]
-        text, session_id = request_text(request)
+        text, session_id, adapter = request_text(request)
         if self.event_keys is not None:
             self.event_keys.follow(candidate_replicas)
             text = self.event_keys.key(request)
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        loads = [ReplicaLoad(replica_id, self.outstanding[replica_id], RoutingStats.of(replica).kv_cache_usage)
-                 for replica_id, replica in by_id.items()]
-        decision = self.policy.choose(text, loads, session_id)
+        stats = {replica_id: RoutingStats.of(replica) for replica_id, replica in by_id.items()}
+        loads = [ReplicaLoad(replica_id, self.outstanding[replica_id], stats[replica_id].kv_cache_usage,
+                             stats[replica_id].adapter_names) for replica_id in by_id]
+        decision = self.policy.choose(text, loads, session_id, adapter)
         decisions.record(request.request_id if isinstance(request, ApiRequest) else None, decision)
         # If the chosen replica is full, Serve tries the rest, least loaded first.
         rest = sorted((load for load in loads if load.replica_id != decision.replica_id),

@@ -1,0 +1,56 @@
+"""A base model's LoRA adapters: each served as its own model name, with vLLM's LoRA limits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, field_validator, model_validator
+
+from fleetserve.platform.config.base import NAME_PATTERN, Strict
+
+
+class LoraAdapter(Strict):
+    """One adapter, served as the model name ``name``."""
+
+    # The name clients send as ``model``; it lists in /v1/models with the base model as its parent.
+    name: str
+    # A local PEFT adapter folder, or ``random-lora:<seed>`` (a random adapter for the base, built locally).
+    source: str
+
+    @field_validator("name")
+    @classmethod
+    def _check_name(cls, name: str) -> str:
+        if not NAME_PATTERN.match(name):
+            raise ValueError("expected 1-64 characters of letters, digits, '.', '_' or '-', starting alphanumeric")
+        return name
+
+
+class LoraConfig(Strict):
+    """LoRA serving for one base model (vLLM's --enable-lora and its limits)."""
+
+    # Adapters every replica serves from its start; more can be loaded at run time (admin API).
+    adapters: list[LoraAdapter] = Field(default_factory=list)
+    # Adapters one engine step can run at once (vLLM's max_loras): its GPU-resident adapter slots.
+    max_loras: int = Field(default=1, ge=1)
+    # Largest adapter rank the engine accepts (vLLM's max_lora_rank); it sizes the adapter buffers.
+    max_lora_rank: int = Field(default=16, ge=1)
+    # Adapters an engine keeps in host memory (vLLM's max_cpu_loras); None: vLLM's default (max_loras).
+    max_cpu_loras: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> LoraConfig:
+        names = [adapter.name for adapter in self.adapters]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"adapters {twice} appear twice; adapter names must be unique")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        return self
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """vLLM engine arguments for these limits."""
+        kwargs: dict[str, Any] = {"enable_lora": True, "max_loras": self.max_loras,
+                                  "max_lora_rank": self.max_lora_rank}
+        if self.max_cpu_loras is not None:
+            kwargs["max_cpu_loras"] = self.max_cpu_loras
+        return kwargs

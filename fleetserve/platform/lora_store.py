@@ -1,0 +1,72 @@
+"""Resolves a LoRA adapter source to a local PEFT folder that vLLM can load.
+
+Sources:
+  * a local PEFT folder (has ``adapter_config.json``): used in place;
+  * ``random-lora:<seed>``: a random adapter for the base model, built once with PEFT and cached. Its
+    weights are non-zero, so it changes the base model's output: tests and demos use it where no trained
+    adapter exists (no model hub here).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+from fleetserve.platform.model_store import atomic_folder, cache_root
+
+RANDOM_LORA_PREFIX = "random-lora:"
+# Rank of built random adapters; a model's lora.max_lora_rank must be at least this.
+RANDOM_LORA_RANK = 8
+# Bump when the random adapter's recipe changes, so cached copies are rebuilt.
+_RANDOM_LORA_VERSION = 1
+# Layers a random adapter targets: every projection of a Llama-style block.
+_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class AdapterSourceError(ValueError):
+    """An adapter source that cannot be resolved; the message says what was expected."""
+
+
+def resolve_adapter_source(source: str, base_path: Path) -> Path:
+    """A local PEFT folder for ``source``, building a random adapter for ``base_path`` if asked.
+
+    Raises:
+        AdapterSourceError: neither a PEFT folder nor ``random-lora:<seed>``.
+    """
+    if source.startswith(RANDOM_LORA_PREFIX):
+        seed = source.removeprefix(RANDOM_LORA_PREFIX)
+        if not seed.isdigit():
+            raise AdapterSourceError(f"adapter source {source!r}: expected {RANDOM_LORA_PREFIX}<seed>, "
+                                     f"a non-negative integer seed")
+        return random_lora(base_path, int(seed))
+    path = Path(source).expanduser()
+    if not (path / "adapter_config.json").exists():
+        raise AdapterSourceError(f"adapter source {source!r} not found: expected a PEFT adapter folder "
+                                 f"(with adapter_config.json) or {RANDOM_LORA_PREFIX}<seed>")
+    return path
+
+
+def random_lora(base_path: Path, seed: int) -> Path:
+    """The cached random adapter (rank ``RANDOM_LORA_RANK``) for the base model folder, built on first use."""
+    key = hashlib.sha256(f"{base_path.resolve()}:{seed}:{_RANDOM_LORA_VERSION}".encode()).hexdigest()[:16]
+    final = cache_root() / "adapters" / f"random-lora-{seed}-{key}"
+    if (final / "adapter_config.json").exists():
+        return final
+    with atomic_folder(final, marker="adapter_config.json") as scratch:
+        build_random_lora(base_path, scratch, seed)
+    return final
+
+
+def build_random_lora(base_path: Path, out: Path, seed: int, rank: int = RANDOM_LORA_RANK) -> None:
+    """Writes a PEFT LoRA adapter with random (non-zero) A and B matrices for the base model."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(base_path, torch_dtype=torch.float32)
+    present = {name.rsplit(".", 1)[-1] for name, _ in base.named_modules()}
+    targets = [name for name in _TARGET_MODULES if name in present]
+    torch.manual_seed(seed)
+    # init_lora_weights=False draws B at random too (PEFT's default zeroes it: an adapter that changes nothing).
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False)
+    get_peft_model(base, config).save_pretrained(out)
