@@ -125,3 +125,51 @@ def test_make_policy_builds_what_routing_names_with_its_thresholds():
     assert isinstance(make_policy(RoutingConfig(policy="power_of_two")), PowerOfTwoPolicy)
     with pytest.raises(ConfigError, match="routing.policy: Input should be 'cache_aware'"):
         parse_config({"models": [{"name": "m", "source": "x", "routing": {"policy": "fastest"}}]})
+
+
+def adapter_loads(**held: tuple[int, set[str]]) -> list[ReplicaLoad]:
+    return [ReplicaLoad(replica_id, count, None, frozenset(names)) for replica_id, (count, names) in held.items()]
+
+
+def test_adapter_request_goes_to_the_replica_reporting_it():
+    router = policy(balance_abs_threshold=4)
+    decision = router.choose("<lora:a>hello", adapter_loads(r0=(0, set()), r1=(1, {"a"})), adapter="a")
+    # r1 is busier by one, within the thresholds (1 - 0 <= 4): the adapter's holder wins.
+    assert (decision.replica_id, decision.reason) == ("r1", "adapter")
+
+
+def test_adapter_affinity_yields_to_imbalance():
+    router = policy(balance_abs_threshold=4, balance_rel_threshold=1.5)
+    decision = router.choose("<lora:a>hello", adapter_loads(r0=(0, set()), r1=(5, {"a"})), adapter="a")
+    # 5 - 0 > 4 and 5 > 0 x 1.5: imbalanced, so the least loaded replica takes it without the adapter.
+    assert (decision.replica_id, decision.reason) == ("r0", "imbalance")
+
+
+def test_adapters_spread_over_replicas_and_stay_home():
+    router = policy()
+    replicas = adapter_loads(r0=(0, set()), r1=(0, set()))
+    first_a = router.choose("<lora:a>one", replicas, adapter="a")
+    first_b = router.choose("<lora:b>two", replicas, adapter="b")
+    # a goes to r0 by id; b then prefers r1, home to no adapter yet.
+    assert [(d.replica_id, d.reason) for d in (first_a, first_b)] == [("r0", "load"), ("r1", "load")]
+    # 3 blocks each, of which only the adapter's key block is shared: 1/3 < cache_threshold 0.5, no prefix hit.
+    later = [router.choose(f"<lora:{name}>{str(i) * 16}", replicas, adapter=name) for i in range(3) for name in "ab"]
+    # With no report yet, each adapter's home is where the router last sent it.
+    assert [(d.replica_id, d.reason) for d in later] == [("r0", "adapter"), ("r1", "adapter")] * 3
+
+
+def test_adapter_home_beats_stale_reports_and_dies_with_its_replica():
+    router = policy()
+    router.choose("<lora:a>one", adapter_loads(r0=(0, set()), r1=(0, set())), adapter="a")
+    # Both engines report holding a (loaded at start); the router's own last choice, r0, is fresher.
+    both = adapter_loads(r0=(0, {"a"}), r1=(0, {"a"}))
+    assert router.choose("<lora:a>two", both, adapter="a").replica_id == "r0"
+    router.forget(["r1"])
+    survivor = router.choose("<lora:a>three", adapter_loads(r1=(0, {"a"})), adapter="a")
+    assert (survivor.replica_id, survivor.reason) == ("r1", "adapter")
+
+
+def test_base_model_requests_ignore_adapter_reports():
+    router = policy()
+    decision = router.choose("hello", adapter_loads(r0=(1, set()), r1=(0, {"a"})))
+    assert (decision.replica_id, decision.reason) == ("r1", "load")  # least loaded; adapters play no part

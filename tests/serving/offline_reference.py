@@ -3,8 +3,10 @@
 Run as a subprocess by the equality tests, so its engines' memory is freed when it exits; one process
 serves every model, so vLLM is imported once:
     python offline_reference.py MODEL_ENTRIES_JSON CASES_JSON
-CASES_JSON: {"completions": [prompt, ...], "chats": [[message, ...], ...], "max_tokens": N}
-Prints ``REFERENCE {model name: {"completions": [...], "chats": [...]}}``.
+CASES_JSON: {"completions": [prompt, ...], "chats": [[message, ...], ...], "max_tokens": N,
+             "adapters": {model name: {adapter name: source}}}  (adapters optional: more than the configured)
+Prints ``REFERENCE {name: {"completions": [...], "chats": [...]}}`` for every model and every adapter (configured
+or given), each adapter's outputs from vLLM's own ``LoRARequest``.
 """
 
 import json
@@ -15,7 +17,10 @@ import sys
 def main() -> None:
     from vllm import LLM, SamplingParams
 
+    from vllm.lora.request import LoRARequest
+
     from fleetserve.platform.config import ModelConfig
+    from fleetserve.platform.lora_store import resolve_adapter_source
     from fleetserve.platform.model_store import resolve_source
 
     cases = json.loads(sys.argv[2])
@@ -24,12 +29,20 @@ def main() -> None:
     references = {}
     for entry in json.loads(sys.argv[1]):
         model = ModelConfig.model_validate(entry)
-        llm = LLM(model=str(resolve_source(model.source)), **model.engine_kwargs())
-        completions = [out.outputs[0].text for out in llm.generate(cases["completions"], params, use_tqdm=False)]
-        chats = [llm.chat(messages, params, use_tqdm=False)[0].outputs[0].text for messages in cases["chats"]]
+        base_path = resolve_source(model.source)
+        llm = LLM(model=str(base_path), **model.engine_kwargs())
+        adapters = {**{a.name: a.source for a in (model.lora.adapters if model.lora else [])},
+                    **cases.get("adapters", {}).get(model.name, {})}
+        runs = {model.name: None} | {name: LoRARequest(name, index + 1, str(resolve_adapter_source(source, base_path)))
+                                     for index, (name, source) in enumerate(sorted(adapters.items()))}
+        for name, lora in runs.items():
+            completions = [out.outputs[0].text for out in llm.generate(cases["completions"], params, use_tqdm=False,
+                                                                        lora_request=lora)]
+            chats = [llm.chat(messages, params, use_tqdm=False, lora_request=lora)[0].outputs[0].text
+                     for messages in cases["chats"]]
+            references[name] = {"completions": completions, "chats": chats}
         llm.llm_engine.engine_core.shutdown()
         del llm
-        references[model.name] = {"completions": completions, "chats": chats}
     print("REFERENCE " + json.dumps(references), flush=True)
 
 

@@ -81,7 +81,7 @@ class APIKeyConfig(Strict):
     sha256: str = Field(pattern=_SHA256_HEX)
     # The tenant this key belongs to (a key of auth.tenants).
     tenant: str
-    # Admin keys may also read platform state beyond health (/metrics).
+    # Admin keys may also read platform state beyond health (/metrics) and load or unload LoRA adapters.
     admin: bool = False
 
 

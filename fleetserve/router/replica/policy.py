@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
@@ -104,10 +104,11 @@ class CacheAwareThresholds:
 class CacheAwarePolicy:
     """Prefix-cache-aware and adapter-aware routing guarded by a load-imbalance check.
 
-    A request for a LoRA adapter with no prefix hit goes to the least loaded replica holding the adapter (as
-    its engine last reported, or where this router last sent it), so adapters are not loaded everywhere.
-    vLLM's prefix cache is per adapter, and the ingress keys an adapter's prompts apart, so a prefix hit
-    implies the adapter too.
+    A request for a LoRA adapter with no prefix hit goes to the adapter's home: the replica this router last
+    sent it to (fresher than any report), else the least loaded replica whose engine reports holding it.
+    Among equally loaded replicas, a new adapter goes to the one that is home to the fewest, so adapters
+    spread over replicas instead of evicting each other from one engine's adapter cache. vLLM's prefix cache
+    is per adapter, and the ingress keys an adapter's prompts apart, so a prefix hit implies the adapter too.
 
     Args:
         thresholds: when affinity may win over load.
@@ -139,22 +140,33 @@ class CacheAwarePolicy:
             # Longest match first; among equal matches, the less loaded.
             best = max(replicas, key=lambda r: (matches[r.replica_id].num_matched_blocks, -r.num_outstanding,
                                                 -(r.kv_cache_usage or 0.0)))
-            holders = [r for r in replicas if adapter is not None
-                       and (adapter in r.adapter_names or self._adapter_homes.get(adapter) == r.replica_id)]
+            holders = self._holders(adapter, replicas)
+            homes = Counter(self._adapter_homes.values())
             if matches[best.replica_id].ratio >= self.thresholds.cache_threshold:
                 chosen, reason = best, "cache_hit"
             elif holders:
-                chosen, reason = _least_loaded(holders), "adapter"
+                chosen = min(holders, key=lambda r: (r.num_outstanding, homes[r.replica_id],
+                                                     r.kv_cache_usage or 0.0, r.replica_id))
+                reason = "adapter"
             else:
-                # Among equally loaded replicas, the one caching least has the most room for a new prefix
-                # (SGLang's smallest-tree rule); without it every new prefix lands on the same replica.
-                chosen = min(replicas, key=lambda r: (r.num_outstanding, self.index.num_blocks(r.replica_id),
+                # Among equally loaded replicas, the one caching least (fewest adapters, then fewest prefix
+                # blocks) has the most room (SGLang's smallest-tree rule); without it every new prefix or
+                # adapter lands on the same replica.
+                chosen = min(replicas, key=lambda r: (r.num_outstanding, homes[r.replica_id],
+                                                      self.index.num_blocks(r.replica_id),
                                                       r.kv_cache_usage or 0.0, r.replica_id))
                 reason = "load"
         self.index.insert(chosen.replica_id, hashes)
         if adapter is not None:
             self._adapter_homes[adapter] = chosen.replica_id
         return RoutingDecision(chosen.replica_id, reason, matches[chosen.replica_id].ratio)
+
+    def _holders(self, adapter: str | None, replicas: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
+        """The replicas an adapter's request should go to: its home, else those reporting the adapter."""
+        if adapter is None:
+            return []
+        home = [r for r in replicas if r.replica_id == self._adapter_homes.get(adapter)]
+        return home or [r for r in replicas if adapter in r.adapter_names]
 
     def forget(self, live_replica_ids: Sequence[str]) -> None:
         self.index.retain(live_replica_ids)

@@ -1,0 +1,48 @@
+"""The lora: section: vLLM's LoRA limits, adapter names in the model namespace, and what it refuses."""
+
+import json
+
+import pytest
+
+from fleetserve.platform.config import ConfigError, parse_config
+from fleetserve.platform.openai_app import lora_module_flags
+
+
+def config(lora: dict, **model_fields) -> dict:
+    return {"models": [{"name": "base", "source": "x", "lora": lora, **model_fields}]}
+
+
+def test_lora_limits_become_vllm_engine_kwargs():
+    model = parse_config(config({"max_loras": 2, "max_lora_rank": 8, "max_cpu_loras": 4})).models[0]
+    assert model.engine_kwargs() == {**model.engine_args.to_vllm_kwargs(), "enable_lora": True, "max_loras": 2,
+                                     "max_lora_rank": 8, "max_cpu_loras": 4}
+
+
+def test_configured_adapters_become_vllm_lora_modules_naming_their_base(tmp_path):
+    (tmp_path / "adapter_config.json").write_text("{}")
+    model = parse_config(config({"adapters": [{"name": "base-sql", "source": str(tmp_path)}]})).models[0]
+    flags = lora_module_flags(model, tmp_path)
+    assert flags[0] == "--lora-modules"
+    assert json.loads(flags[1]) == {"name": "base-sql", "path": str(tmp_path), "base_model_name": "base"}
+
+
+@pytest.mark.parametrize(("data", "expected"), [
+    (config({"adapters": [{"name": "a", "source": "x"}, {"name": "a", "source": "y"}]}), "adapters ['a'] appear twice"),
+    (config({"max_loras": 4, "max_cpu_loras": 2}), "max_cpu_loras (2) must be at least max_loras (4)"),
+    (config({"adapters": [{"name": "base", "source": "x"}]}), "'base' is the base model's own name"),
+    (config({}, routing={"prefix_source": "kv_events"}), "lora with routing.prefix_source kv_events"),
+    (config({}, engine_args={"extra": {"max_loras": 3}}), "set LoRA limits in lora:"),
+    ({"models": [{"name": "base", "source": "x", "lora": {"adapters": [{"name": "other", "source": "x"}]}},
+                 {"name": "other", "source": "x"}]}, "model name 'other' appears twice"),
+    (config({}, disaggregation={"prefill": {}, "decode": {}}), "lora is not supported for disaggregated models"),
+])
+def test_lora_config_refused_with_a_reason(data, expected):
+    with pytest.raises(ConfigError) as caught:
+        parse_config(data)
+    assert expected in str(caught.value)
+
+
+def test_tenants_may_name_adapters():
+    parsed = parse_config({**config({"adapters": [{"name": "base-sql", "source": "x"}]}), "auth": {
+        "tenants": {"a": {"models": ["base-sql"]}}, "api_keys": [{"sha256": "0" * 64, "tenant": "a"}]}})
+    assert parsed.adapter_bases() == {"base-sql": "base"}

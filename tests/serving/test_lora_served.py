@@ -1,0 +1,166 @@
+"""LoRA adapters on two real replicas: output equals offline vLLM with the same LoRARequest, adapters stay
+on their replica unless load is imbalanced, and adapters load and unload at run time on every replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from cluster_helpers import kill, replica_actors, wait_until_healthy
+from conftest import Served
+from factories import model_entry
+
+pytestmark = pytest.mark.slow
+
+BASE = "tiny-lora"
+# Configured adapters, and those loaded at run time by the tests.
+CONFIGURED = {"tiny-a": "random-lora:1", "tiny-b": "random-lora:2"}
+RUNTIME = {"tiny-c": "random-lora:3", "tiny-d": "random-lora:4"}
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "One, two, three, four,"]
+CHATS = [[{"role": "user", "content": "Name three colours."}]]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def lora_app(served):
+    """The tiny model on 2 replicas (one per core) with two adapters. Each engine holds one adapter at a time
+    (max_cpu_loras 1), so where an adapter's requests go decides how often engines reload it."""
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+    from fleetserve.platform.config import parse_config
+
+    config = parse_config({"models": [{
+        **model_entry(BASE), "replicas": 2, "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]},
+        "lora": {"adapters": [{"name": n, "source": s} for n, s in CONFIGURED.items()],
+                 "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": 8},
+        "routing": {"policy": "cache_aware", "balance_abs_threshold": 2, "balance_rel_threshold": 1.5}}]})
+    serve.run(build_app(config), name="lora", route_prefix="/lora")
+    yield Served(base_url=f"{served.base_url}/lora", config=config, handles={})
+    serve.delete("lora")
+
+
+@pytest.fixture(scope="module")
+def reference(lora_app):
+    """Greedy outputs of the base and of every adapter from vLLM's offline LLM with a LoRARequest."""
+    script = Path(__file__).with_name("offline_reference.py")
+    cases = json.dumps({"completions": PROMPTS, "chats": CHATS, "max_tokens": MAX_TOKENS, "adapters": {BASE: RUNTIME}})
+    models = json.dumps([model.model_dump(mode="json") for model in lora_app.config.models])
+    done = subprocess.run([sys.executable, str(script), models, cases], capture_output=True, text=True, timeout=900)
+    line = [line for line in done.stdout.splitlines() if line.startswith("REFERENCE ")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    return json.loads(line[0][len("REFERENCE "):])
+
+
+def served_outputs(url: str, name: str) -> dict[str, list[str]]:
+    with httpx.Client(timeout=120) as http:
+        completions = [http.post(f"{url}/completions", json={"model": name, "prompt": prompt, "max_tokens": MAX_TOKENS,
+                                                             "temperature": 0}).json()["choices"][0]["text"]
+                       for prompt in PROMPTS]
+        chats = [http.post(f"{url}/chat/completions", json={"model": name, "messages": messages,
+                                                            "max_tokens": MAX_TOKENS, "temperature": 0}
+                           ).json()["choices"][0]["message"]["content"] for messages in CHATS]
+    return {"completions": completions, "chats": chats}
+
+
+def test_adapters_list_with_their_base_as_parent(lora_app):
+    cards = httpx.get(f"{lora_app.api_url}/models", timeout=30).json()["data"]
+    assert {card["id"]: card.get("parent") for card in cards} == {BASE: None, "tiny-a": BASE, "tiny-b": BASE}
+
+
+def test_adapter_output_equals_offline_vllm_and_differs_from_the_base(lora_app, reference):
+    outputs = {name: served_outputs(lora_app.api_url, name) for name in (BASE, *CONFIGURED)}
+    for name, output in outputs.items():
+        assert output == reference[name], name
+    # Random non-zero adapters change every greedy completion.
+    for name in CONFIGURED:
+        assert all(a != b for a, b in zip(outputs[name]["completions"], outputs[BASE]["completions"])), name
+
+
+def test_each_adapter_stays_on_one_replica_and_the_two_spread(lora_app):
+    placements: dict[str, set[str]] = {"tiny-a": set(), "tiny-b": set()}
+    reasons = []
+    with httpx.Client(timeout=120) as http:
+        for i in range(12):
+            name = "tiny-a" if i % 2 == 0 else "tiny-b"
+            # Distinct prompts, sequential: no prefix hit and no imbalance, so only adapter affinity decides.
+            response = http.post(f"{lora_app.api_url}/completions",
+                                 json={"model": name, "prompt": f"request number {i} of twelve", "max_tokens": 2})
+            assert response.status_code == 200, response.text
+            placements[name].add(response.headers["x-fleetserve-replica"])
+            reasons.append(response.headers["x-fleetserve-route-reason"])
+    assert all(len(replicas) == 1 for replicas in placements.values()), placements
+    assert placements["tiny-a"] != placements["tiny-b"]
+    # Each adapter's first request has no home yet (tiny-a by load; tiny-b by load or by the engines'
+    # report of the adapter loaded last at start); every later one goes home.
+    assert reasons[0] == "load" and reasons[1] in ("load", "adapter") and reasons[2:] == ["adapter"] * 10
+
+
+def test_a_burst_for_one_adapter_spreads_once_load_is_imbalanced(lora_app):
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=120) as http:
+            return await asyncio.gather(*(http.post(f"{lora_app.api_url}/completions", json={
+                "model": "tiny-a", "prompt": f"burst {i}", "max_tokens": 48, "ignore_eos": True}) for i in range(8)))
+
+    responses = asyncio.run(burst())
+    assert [r.status_code for r in responses] == [200] * 8
+    # Past 2 outstanding more on one replica than the other (balance_abs_threshold), the other takes requests.
+    assert len({r.headers["x-fleetserve-replica"] for r in responses}) == 2
+    assert "imbalance" in [r.headers["x-fleetserve-route-reason"] for r in responses]
+
+
+def change(url: str, op: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/{op}_lora_adapter", json=body, timeout=120)
+
+
+def test_adapter_loaded_at_run_time_serves_on_both_replicas_then_unloads(lora_app, reference):
+    loaded = change(lora_app.base_url, "load", {"lora_name": "tiny-c", "lora_path": RUNTIME["tiny-c"]})
+    assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'tiny-c' added successfully.")
+    assert loaded.headers["x-fleetserve-adapter-replicas"] == "2/2"
+    assert served_outputs(lora_app.api_url, "tiny-c") == reference["tiny-c"]
+    again = change(lora_app.base_url, "load", {"lora_name": "tiny-c", "lora_path": RUNTIME["tiny-c"]})
+    assert again.status_code == 400 and "has already been loaded" in again.json()["error"]["message"]
+    unloaded = change(lora_app.base_url, "unload", {"lora_name": "tiny-c"})
+    assert (unloaded.status_code, unloaded.headers["x-fleetserve-adapter-replicas"]) == (200, "2/2")
+    gone = httpx.post(f"{lora_app.api_url}/completions", json={"model": "tiny-c", "prompt": "a", "max_tokens": 1},
+                      timeout=60)
+    assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+    missing = change(lora_app.base_url, "load", {"lora_name": "tiny-x", "lora_path": "/no/such/adapter"})
+    assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
+    names = {card["id"] for card in httpx.get(f"{lora_app.api_url}/models", timeout=30).json()["data"]}
+    assert names == {BASE, *CONFIGURED}
+
+
+def test_a_replica_started_later_serves_the_current_adapter_set(lora_app, reference):
+    from ray import serve
+
+    from fleetserve.deployments.serve_options import deployment_name
+
+    loaded = change(lora_app.base_url, "load", {"lora_name": "tiny-d", "lora_path": RUNTIME["tiny-d"]})
+    assert loaded.headers["x-fleetserve-adapter-replicas"] == "2/2"
+    deployment = deployment_name(lora_app.config.models[0])
+    victim = replica_actors(deployment)[0]
+    kill(victim)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and (victim in replica_actors(deployment)
+                                           or len(replica_actors(deployment)) < 2):
+        time.sleep(1)
+    assert wait_until_healthy("lora") < float("inf")
+    hub = serve.get_deployment_handle("metrics-hub", "lora")
+    version = hub.adapter_set.remote(BASE).result().version
+    progress = None
+    while time.monotonic() < deadline:
+        progress = hub.adapter_progress.remote(BASE, version).result()
+        if progress == (2, 2):
+            break
+        time.sleep(1)
+    # The new replica synced to the set with tiny-d before its first request, and says so at its push.
+    assert progress == (2, 2)
+    assert served_outputs(lora_app.api_url, "tiny-d") == reference["tiny-d"]
