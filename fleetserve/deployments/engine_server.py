@@ -58,7 +58,8 @@ class EngineServer:
         self.model = model
         self.replica_id = replica_id
         self.pool = model.pool
-        self.metrics = EngineMetrics(model.name, replica_id, self.pool)
+        self.metrics = EngineMetrics(model.name, replica_id, self.pool,
+                                     model.lora.max_loras if model.lora is not None else None)
         # One reporter per reader of this replica's reports: each reads at its own period.
         self._autoscaling_reporter = ReplicaReporter(replica_id, self.pool)
         self._routing_reporter = ReplicaReporter(replica_id, self.pool)

@@ -42,7 +42,8 @@ def _buckets(family: str) -> list[float]:
 class EngineMetrics:
     """vLLM-named metrics of one engine replica, fed from the engine's stat logger."""
 
-    def __init__(self, model_name: str, replica: str, pool: str = "colocated") -> None:
+    def __init__(self, model_name: str, replica: str, pool: str = "colocated", max_loras: int | None = None) -> None:
+        """Args: ``max_loras``, the engine's LoRA slots; None (no LoRA) leaves out vllm:lora_requests_info."""
         self.registry = CollectorRegistry(auto_describe=True)
         values = (model_name, replica, pool)
 
@@ -74,6 +75,13 @@ class EngineMetrics:
                                              "Histogram of inter-token latency in seconds.", "inter_token_latency")
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Histogram of e2e request latency in seconds.", "request_latency")
+        self._max_loras = max_loras
+        # vLLM's LoRA info gauge: the time of the last step, labelled with the adapters running and waiting.
+        # Only the current label set is kept (vLLM keeps every set it has seen, a series per combination).
+        self._lora_info = (Gauge("vllm:lora_requests_info", "Running stats on lora requests.",
+                                 [*LABELS, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                                 registry=self.registry) if max_loras is not None else None)
+        self._lora_labels: tuple[str, ...] | None = None
 
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """Folds one engine step in; arguments are vLLM's SchedulerStats and IterationStats."""
@@ -85,6 +93,8 @@ class EngineMetrics:
             if prefix is not None:
                 self.prefix_cache_queries.inc(prefix.queries)
                 self.prefix_cache_hits.inc(prefix.hits)
+            if self._lora_info is not None:
+                self._record_lora(scheduler_stats)
         if iteration_stats is None:
             return
         self.num_preemptions.inc(iteration_stats.num_preempted_reqs)
@@ -98,6 +108,15 @@ class EngineMetrics:
             reason = str(getattr(finished.finish_reason, "name", finished.finish_reason)).lower()
             self._request_success.labels(*self._values, reason).inc()
             self.e2e_request_latency.observe(finished.e2e_latency)
+
+    def _record_lora(self, scheduler_stats: Any) -> None:
+        labels = (*self._values, str(self._max_loras),
+                  ",".join(getattr(scheduler_stats, "waiting_lora_adapters", {}) or {}),
+                  ",".join(getattr(scheduler_stats, "running_lora_adapters", {}) or {}))
+        if self._lora_labels is not None and labels != self._lora_labels:
+            self._lora_info.remove(*self._lora_labels)
+        self._lora_labels = labels
+        self._lora_info.labels(*labels).set_to_current_time()
 
     def exposition(self) -> bytes:
         """This engine's series in Prometheus text format."""

@@ -46,6 +46,23 @@ def test_engine_metrics_use_vllm_names_labels_and_accumulate():
     assert got[("vllm:e2e_request_latency_seconds_sum", labels)] == 1.5
 
 
+def test_lora_info_names_the_current_adapters_only():
+    metrics = EngineMetrics("m", "r0", max_loras=2)
+    first, _ = step()
+    first.running_lora_adapters, first.waiting_lora_adapters = {"a": 1, "b": 2}, {"c": 1}
+    metrics.record(first, None)
+    second, _ = step()
+    second.running_lora_adapters, second.waiting_lora_adapters = {"c": 1}, {}
+    metrics.record(second, None)
+    info = [(dict(s.labels), s.value) for family in text_string_to_metric_families(metrics.exposition().decode())
+            for s in family.samples if s.name == "vllm:lora_requests_info"]
+    # One series, the second step's, valued at its time (vLLM's semantics: a timestamp gauge).
+    assert [(labels["running_lora_adapters"], labels["waiting_lora_adapters"], labels["max_lora"])
+            for labels, _ in info] == [("c", "", "2")]
+    assert info[0][1] > 1.7e9
+    assert b"vllm:lora_requests_info" not in EngineMetrics("m", "r0").exposition()  # no LoRA, no series
+
+
 def test_merged_exposition_keeps_every_replica_and_parses():
     replicas = [EngineMetrics("m", f"r{i}") for i in range(2)]
     for replica in replicas:

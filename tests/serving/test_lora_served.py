@@ -98,9 +98,9 @@ def test_each_adapter_stays_on_one_replica_and_the_two_spread(lora_app):
             reasons.append(response.headers["x-fleetserve-route-reason"])
     assert all(len(replicas) == 1 for replicas in placements.values()), placements
     assert placements["tiny-a"] != placements["tiny-b"]
-    # Each adapter's first request has no home yet (tiny-a by load; tiny-b by load or by the engines'
-    # report of the adapter loaded last at start); every later one goes home.
-    assert reasons[0] == "load" and reasons[1] in ("load", "adapter") and reasons[2:] == ["adapter"] * 10
+    # Each adapter's first request goes by load, or home if an earlier test sent that adapter here; every
+    # later one goes home.
+    assert set(reasons[:2]) <= {"load", "adapter"} and reasons[2:] == ["adapter"] * 10
 
 
 def test_a_burst_for_one_adapter_spreads_once_load_is_imbalanced(lora_app):

@@ -9,6 +9,7 @@ reads KV usage from the report each replica publishes through ``record_routing_s
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +25,8 @@ from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.router.replica.policy import ReplicaLoad, make_policy
 
 logger = logging.getLogger(__name__)
+# A choice the replica has not accepted after this long belongs to a request cancelled while routing.
+CHOICE_TTL_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,14 @@ class FleetserveRequestRouter(RequestRouter):
         self.event_keys = EventKeys(tokenizer_source, chat_template) if config.prefix_source == "kv_events" else None
         index = self.event_keys.index if self.event_keys is not None else None
         self.policy = make_policy(config, index)
+        # Requests each replica accepted and has not finished.
         self.outstanding: Counter[str] = Counter()
+        # internal request id -> the replica it was routed to, until it completes.
+        self._routed: dict[str, str] = {}
+        # internal request id -> (the replica chosen for it, when): chosen, not yet accepted. Serve reports a
+        # request routed only once the replica accepts it, a round trip later; without these, every request of
+        # a burst sees the same loads and goes to the same replica.
+        self._chosen: dict[str, tuple[str, float]] = {}
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -143,6 +153,15 @@ class FleetserveRequestRouter(RequestRouter):
                 self.event_keys.subscriber.unfollow(replica_id)
         for replica_id in [key for key in self.outstanding if key not in live]:
             del self.outstanding[replica_id]
+        self._chosen = {key: choice for key, choice in self._chosen.items() if choice[0] in live}
+        self._routed = {key: replica_id for key, replica_id in self._routed.items() if replica_id in live}
+
+    def _num_in_flight(self) -> Counter[str]:
+        """Accepted plus chosen-but-not-yet-accepted requests per replica; choices older than
+        ``CHOICE_TTL_S`` (a request cancelled while routing) are dropped."""
+        horizon = time.monotonic() - CHOICE_TTL_S
+        self._chosen = {key: choice for key, choice in self._chosen.items() if choice[1] >= horizon}
+        return self.outstanding + Counter(replica_id for replica_id, _ in self._chosen.values())
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> Sequence[list[RunningReplica]]:
@@ -158,9 +177,13 @@ class FleetserveRequestRouter(RequestRouter):
             text = self.event_keys.key(request)
         by_id = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
         stats = {replica_id: RoutingStats.of(replica) for replica_id, replica in by_id.items()}
-        loads = [ReplicaLoad(replica_id, self.outstanding[replica_id], stats[replica_id].kv_cache_usage,
+        internal_id = pending_request.metadata.internal_request_id
+        self._chosen.pop(internal_id, None)  # routed again after a rejection: its earlier choice is void
+        in_flight = self._num_in_flight()
+        loads = [ReplicaLoad(replica_id, in_flight[replica_id], stats[replica_id].kv_cache_usage,
                              stats[replica_id].adapter_names) for replica_id in by_id]
         decision = self.policy.choose(text, loads, session_id, adapter)
+        self._chosen[internal_id] = (decision.replica_id, time.monotonic())
         decisions.record(request.request_id if isinstance(request, ApiRequest) else None, decision)
         # If the chosen replica is full, Serve tries the rest, least loaded first.
         rest = sorted((load for load in loads if load.replica_id != decision.replica_id),
@@ -168,8 +191,14 @@ class FleetserveRequestRouter(RequestRouter):
         return [[by_id[decision.replica_id]]] + [[by_id[load.replica_id]] for load in rest]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: Any, result: Any) -> None:
+        internal_id = pending_request.metadata.internal_request_id
+        self._chosen.pop(internal_id, None)
+        self._routed[internal_id] = replica_id.unique_id
         self.outstanding[replica_id.unique_id] += 1
 
     def on_request_completed(self, replica_id: Any, internal_request_id: str) -> None:
-        if self.outstanding[replica_id.unique_id] > 0:
-            self.outstanding[replica_id.unique_id] -= 1
+        # Serve also calls this for a request its replica rejected, which was never counted.
+        self._chosen.pop(internal_request_id, None)
+        routed = self._routed.pop(internal_request_id, None)
+        if routed is not None and self.outstanding[routed] > 0:
+            self.outstanding[routed] -= 1
