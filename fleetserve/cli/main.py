@@ -285,7 +285,10 @@ def _rates(text: str) -> list[float]:
 def bench(
     ctx: typer.Context,
     base_url: Annotated[Optional[str], typer.Option(help="Server URL, e.g. http://127.0.0.1:8000 (/v1 optional).")] = None,
-    model: Annotated[Optional[str], typer.Option(help="Model name to request.")] = None,
+    model: Annotated[Optional[str], typer.Option(help="Model name to request; several, comma-separated, spread "
+                                                      "the requests over them (e.g. a base's LoRA adapters).")] = None,
+    model_zipf: Annotated[float, typer.Option(min=0, help="With several --model names: Zipf exponent of their "
+                                                           "popularity, in the order given (0: uniform).")] = 0.0,
     api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", show_default=False,
                                                    help="Sent as a bearer token (never saved with results).")] = None,
     api: Annotated[str, typer.Option(help="chat or completions.")] = "completions",
@@ -368,7 +371,8 @@ def bench(
                  or key in ("num_prompts", "output_len", "tokenizer", "rate_scale")}
     results = []
     for rate in _rates(request_rate):
-        config = BenchConfig(base_url=base_url, model=model, api=api, request_rate=rate, burstiness=burstiness,
+        config = BenchConfig(base_url=base_url, model=model, model_zipf=model_zipf, api=api, request_rate=rate,
+                             burstiness=burstiness,
                              max_concurrency=max_concurrency, num_warmups=num_warmups, max_seconds=max_seconds,
                              seed=seed, ignore_eos=ignore_eos, percentiles=percentiles, goodput=slos,
                              timeout_s=timeout, dataset={k: str(v) if isinstance(v, Path) else v

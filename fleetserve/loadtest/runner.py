@@ -28,6 +28,7 @@ class BenchConfig:
     """How to load the endpoint. Stored with every result so a run can be reproduced."""
 
     base_url: str
+    # The model name to request, or several, comma-separated: each request then asks for one of them.
     model: str
     api: Api = "completions"
     # Requests per second; math.inf sends everything at once.
@@ -48,8 +49,15 @@ class BenchConfig:
     timeout_s: float = 600.0
     # Describes the workload (dataset name and parameters), for the record.
     dataset: dict[str, Any] = field(default_factory=dict)
+    # With several models: the Zipf exponent of their popularity, in the order given (0: uniform). Many
+    # fine-tunes of a base see a few hot adapters and a long tail.
+    model_zipf: float = 0.0
     # Sent as `Authorization: Bearer <key>`; never saved with the results.
     api_key: str | None = field(default=None, repr=False)
+
+    @property
+    def model_names(self) -> list[str]:
+        return [name.strip() for name in self.model.split(",") if name.strip()]
 
     @property
     def v1_url(self) -> str:
@@ -116,8 +124,20 @@ async def preflight(config: BenchConfig, http: httpx.AsyncClient) -> None:
     if response.status_code != 200:
         return  # some servers have no /models; the requests themselves will tell
     served = [item.get("id") for item in response.json().get("data", [])]
-    if served and config.model not in served:
-        raise BenchError(f"model {config.model!r} is not served at {config.v1_url}; it serves: {', '.join(served)}")
+    missing = [name for name in config.model_names if served and name not in served]
+    if missing:
+        raise BenchError(f"model {', '.join(map(repr, missing))} is not served at {config.v1_url}; "
+                         f"it serves: {', '.join(served)}")
+
+
+def request_models(config: BenchConfig, num_requests: int) -> list[str]:
+    """The model each request asks for: the one name, or a seeded draw over several by Zipf popularity."""
+    names = config.model_names
+    if len(names) == 1:
+        return names * num_requests
+    weights = 1.0 / np.arange(1, len(names) + 1) ** config.model_zipf
+    rng = np.random.default_rng(config.seed)
+    return [names[i] for i in rng.choice(len(names), size=num_requests, p=weights / weights.sum())]
 
 
 async def run_benchmark(config: BenchConfig, specs: Sequence[RequestSpec], stop: asyncio.Event | None = None,
@@ -137,8 +157,8 @@ async def run_benchmark(config: BenchConfig, specs: Sequence[RequestSpec], stop:
     async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s, connect=10.0), limits=limits,
                                  headers=headers) as http:
         await preflight(config, http)
-        for spec in specs[:config.num_warmups]:
-            payload = build_payload(spec, config.api, config.model, config.ignore_eos)
+        for spec, model in zip(specs[:config.num_warmups], request_models(config, len(specs))):
+            payload = build_payload(spec, config.api, model, config.ignore_eos)
             await send_request(http, config.endpoint, payload, config.api, time.perf_counter())
         return await _dispatch(config, specs, http, stop, on_done, count_tokens)
 
@@ -160,8 +180,8 @@ async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: htt
     run_start = time.perf_counter()
     deadline = run_start + config.max_seconds if config.max_seconds else math.inf
 
-    async def one(spec: RequestSpec) -> None:
-        payload = build_payload(spec, config.api, config.model, config.ignore_eos)
+    async def one(spec: RequestSpec, model: str) -> None:
+        payload = build_payload(spec, config.api, model, config.ignore_eos)
         if slots is None:
             record = await send_request(http, config.endpoint, payload, config.api, run_start, spec)
         else:
@@ -177,7 +197,8 @@ async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: htt
     # recorded trace brings its own.
     offsets = ([spec.send_at_s for spec in specs] if specs and all(spec.send_at_s is not None for spec in specs)
                else np.cumsum(delays))
-    for spec, send_at in zip(specs, run_start + np.asarray(offsets, dtype=float), strict=True):
+    models = request_models(config, len(specs))
+    for spec, model, send_at in zip(specs, models, run_start + np.asarray(offsets, dtype=float), strict=True):
         wait = send_at - time.perf_counter()
         if wait > 0:
             try:
@@ -186,7 +207,7 @@ async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: htt
                 pass
         if stop.is_set() or time.perf_counter() >= deadline:
             break
-        tasks.append(asyncio.create_task(one(spec)))
+        tasks.append(asyncio.create_task(one(spec, model)))
     pending = set(tasks)
     while pending and not stop.is_set():
         _, pending = await asyncio.wait(pending, timeout=0.2)

@@ -18,7 +18,7 @@ from fleetserve.loadtest.arrivals import inter_arrival_times
 from fleetserve.loadtest.local_server import free_port
 from fleetserve.loadtest.client import RequestRecord
 from fleetserve.loadtest.metrics import compute_metrics, meets_slos, parse_goodput
-from fleetserve.loadtest.runner import BenchConfig, BenchError, run_benchmark
+from fleetserve.loadtest.runner import BenchConfig, BenchError, request_models, run_benchmark
 
 FIRST_MS, ITL_MS = 200.0, 20.0
 SERVER_SCRIPT = Path(__file__).with_name("schedule_server.py")
@@ -307,3 +307,16 @@ def test_cli_trace_refuses_a_request_rate(schedule_url, tmp_path):
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     # --num-prompts 3 takes the window's first three; the dataset options are recorded with the result.
     assert run["metrics"]["completed"] == 3 and run["config"]["dataset"]["trace_length_scale"] == 0.1
+
+
+def test_several_models_spread_requests_by_zipf_popularity():
+    one = BenchConfig(base_url="http://x", model="base")
+    assert request_models(one, 3) == ["base"] * 3
+    uniform = BenchConfig(base_url="http://x", model="a, b,c", seed=1)
+    drawn = request_models(uniform, 3000)
+    assert drawn == request_models(uniform, 3000)  # seeded: the same run asks for the same models
+    # Uniform over 3: 1000 each expected, sd sqrt(3000 * 1/3 * 2/3) = 25.8; 6 sd = 155.
+    assert all(abs(drawn.count(name) - 1000) < 155 for name in "abc")
+    skewed = request_models(BenchConfig(base_url="http://x", model="a,b,c", model_zipf=2.0), 3000)
+    # Weights 1, 1/4, 1/9: a's share 1 / (1 + 0.25 + 0.111) = 0.735 -> 2204 expected, sd 24.2; 6 sd = 145.
+    assert abs(skewed.count("a") - 2204) < 145

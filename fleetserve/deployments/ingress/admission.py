@@ -99,6 +99,10 @@ class AdmissionController:
         while len(self._history) > 2 and now - self._history[1][0] >= RATE_WINDOW_S:
             self._history.popleft()
 
+    def num_serving(self) -> int | None:
+        """Serving replicas (colocated or decode) in the latest reports; None before the first."""
+        return len(self._serving()) if self._history else None
+
     def completion_rate(self) -> float:
         """Requests the engines finished per second over the window; replicas in both ends only, so a
         restarted or new replica's counter does not count as a burst of completions."""

@@ -127,26 +127,40 @@ class WorkLimits:
         if decision.queue_allowance is not None:
             self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)
 
-    async def guarded(self, model: str, stream: AsyncIterator[ReplicaChunk],
-                      tenant: str | None = None) -> AsyncIterator[ReplicaChunk]:
+    def num_serving(self, model: str) -> int | None:
+        """Serving replicas the engines' reports show for ``model``; None before the first reading."""
+        return self.admission[model].num_serving()
+
+    async def guarded(self, model: str, stream: AsyncIterator[ReplicaChunk], tenant: str | None = None,
+                      first_chunk: tuple[float, Callable[[], APIError]] | None = None) -> AsyncIterator[ReplicaChunk]:
         """Counts the request as in flight (for its tenant too) while it runs, and aborts it when it stops
-        making progress."""
+        making progress.
+
+        Args:
+            first_chunk: (seconds, error) for the first chunk instead of progress_timeout_s: a request held
+                while its pool wakes from zero may wait for the cold start, then gets that error.
+        """
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
         if tenant is not None:
             self.in_flight_by_tenant[model, tenant] += 1
         self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
         timeout = self.limits.progress_timeout_s
+        first_timeout, first_error = first_chunk if first_chunk is not None else (timeout, None)
+        num_chunks = 0
         try:
             while True:
                 try:
-                    async with asyncio.timeout(timeout):
+                    async with asyncio.timeout(timeout if num_chunks else first_timeout):
                         chunk = await anext(stream)
                 except StopAsyncIteration:
                     return
                 except TimeoutError:
+                    if first_error is not None and not num_chunks:
+                        raise first_error() from None
                     logger.warning("request on %s made no progress for %gs; aborted", model, timeout)
                     raise APIError(f"the request made no progress for {timeout:g} s and was aborted", 504,
                                    "timeout_error", code="no_progress") from None
+                num_chunks += 1
                 yield chunk
         finally:
             self.in_flight[model] -= 1

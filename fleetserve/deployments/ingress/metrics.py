@@ -38,8 +38,14 @@ class IngressMetrics:
                                      "Requests the admission bound lets queue for the model now.", ["model"],
                                      registry=self.registry)
         self.rejections = Counter("fleetserve_admission_rejections", "Requests refused with 503 at admission, "
-                                  "by which bound refused them (queue, share, batch or in_flight).", ["model", "bound"],
+                                  "by which bound refused them (queue, share, batch, in_flight, cold_start_full or "
+                                  "cold_start_timeout).", ["model", "bound"],
                                   registry=self.registry)
+        self.held = Gauge("fleetserve_held_requests", "Requests held while the model's pool wakes from zero "
+                          "replicas.", ["model"], registry=self.registry)
+        self.cold_start = Histogram("fleetserve_cold_start_seconds", "From the first request held for a pool at "
+                                    "zero replicas to its first token.", ["model"], registry=self.registry,
+                                    buckets=[1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600])
         self.engine_retries = Counter("fleetserve_engine_retries", "Requests sent again because their replica "
                                       "failed before streaming anything.", ["model"], registry=self.registry)
 

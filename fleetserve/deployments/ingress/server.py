@@ -43,6 +43,7 @@ from fleetserve.deployments.ingress.adapters import (
     HubAdapterCatalog,
     LocalAdapterCatalog,
 )
+from fleetserve.deployments.ingress.cold_start import ColdStartHold
 from fleetserve.deployments.ingress.limits import LoadSource, WorkLimits, check_request_limits, effective_max_tokens
 from fleetserve.deployments.ingress.model_clients import HandleModelClient, ModelClient
 from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
@@ -110,6 +111,8 @@ class OpenAIIngress:
         self.front_door = front_door
         self.limits = limits or LimitsConfig()
         self.work = WorkLimits(list(clients), self.models, self.limits, self.platform_metrics, load_source)
+        self.cold = ColdStartHold({name: config for name, config in self.models.items() if name in clients},
+                                  self.platform_metrics)
         configured = {name: model.name for model in self.models.values() for name in model.adapter_names}
         lora_bases = [model.name for model in self.models.values() if model.lora is not None]
         if adapter_catalog is None:
@@ -467,28 +470,40 @@ class OpenAIIngress:
 
     async def _start(self, model: str, client: ModelClient, request: ApiRequest,
                      tenant: str | None = None) -> tuple[AsyncIterator[ReplicaChunk], ReplicaChunk]:
-        """Sends the request to an engine and waits for its first chunk, sending it again (Serve picks a
-        live replica) when the replica fails before streaming anything.
+        """Sends the request to an engine and waits for its first chunk; held first while the model's pool
+        wakes from zero replicas (``ColdStartHold``).
 
         Raises:
-            APIError: the engine's error, or 503 once the retries are spent.
+            APIError: the engine's error, 503 once the retries are spent, or 503 from the hold.
         """
-        num_retries = 0
         with self.work.waiting(model):
-            while True:
-                stream = self.work.guarded(model, client.forward(request), tenant)
-                try:
-                    return stream, await anext(stream)
-                except StopAsyncIteration:
-                    raise APIError("the engine returned no output", 500, "internal_error") from None
-                except Exception as error:  # noqa: BLE001 - every engine failure becomes an API error
-                    api_error = as_api_error(error)
-                    if api_error.code != "engine_unavailable" or num_retries == self.limits.max_unstarted_retries:
-                        raise api_error from None
-                num_retries += 1
-                logger.warning("%s: replica failed before streaming (%s); sending it again (retry %d)",
-                               request.request_id, api_error.message, num_retries)
-                self.platform_metrics.engine_retries.labels(model).inc()
+            if not (self.cold.scales_to_zero(model) and self.work.num_serving(model) == 0):
+                return await self._first_chunk(model, client, request, tenant)
+            async with self.cold.held(model) as remaining_s:
+                timeout = (remaining_s, lambda: self.cold.refusal(
+                    model, "no replica answered within its hold_timeout_s", "cold_start_timeout"))
+                return await self._first_chunk(model, client, request, tenant, timeout)
+
+    async def _first_chunk(self, model: str, client: ModelClient, request: ApiRequest, tenant: str | None,
+                           first_chunk: tuple[float, Callable[[], APIError]] | None = None,
+                           ) -> tuple[AsyncIterator[ReplicaChunk], ReplicaChunk]:
+        """Forwards the request and waits for its first chunk, sending it again (Serve picks a live replica)
+        when the replica fails before streaming anything."""
+        num_retries = 0
+        while True:
+            stream = self.work.guarded(model, client.forward(request), tenant, first_chunk)
+            try:
+                return stream, await anext(stream)
+            except StopAsyncIteration:
+                raise APIError("the engine returned no output", 500, "internal_error") from None
+            except Exception as error:  # noqa: BLE001 - every engine failure becomes an API error
+                api_error = as_api_error(error)
+                if api_error.code != "engine_unavailable" or num_retries == self.limits.max_unstarted_retries:
+                    raise api_error from None
+            num_retries += 1
+            logger.warning("%s: replica failed before streaming (%s); sending it again (retry %d)",
+                           request.request_id, api_error.message, num_retries)
+            self.platform_metrics.engine_retries.labels(model).inc()
 
 
 # Its limits come from serve_options.ingress_options (limits: in the platform config).

@@ -11,8 +11,11 @@ from fleetserve.platform.config.base import Strict
 
 AutoscalingPolicyName = Literal["kv_cache", "ray_default", "queue_depth", "slo"]
 
-# Knobs every policy reads.
-COMMON_KNOBS = frozenset({"policy", "min_replicas", "max_replicas", "pool", "metrics_interval_s"})
+# Knobs every policy reads (the hold knobs are the ingress's, for a pool that scales to zero).
+COMMON_KNOBS = frozenset({"policy", "min_replicas", "max_replicas", "pool", "metrics_interval_s",
+                          "max_held_requests", "hold_timeout_s"})
+# Knobs that only act on a pool that can scale to zero.
+ZERO_KNOBS = ("max_held_requests", "hold_timeout_s", "idle_to_zero_s")
 # The knobs each policy reads besides the common ones; setting another policy's knob is an error, since
 # it would silently do nothing.
 POLICY_KNOBS: dict[str, frozenset[str]] = {
@@ -118,6 +121,11 @@ class AutoscalingConfig(Strict):
     tpot_p99_s: float | None = Field(default=None, gt=0)
     # slo: what one replica of this model does (its prefill and decode speed, KV capacity, start-up).
     profile: ReplicaProfile | None = None
+    # min_replicas 0: requests the ingress holds while the pool wakes from zero replicas; past this, a 503
+    # with Retry-After. The held requests are served in arrival order once a replica is up.
+    max_held_requests: int = Field(default=64, ge=1)
+    # min_replicas 0: how long a held request waits for the pool to wake before it gets a 503.
+    hold_timeout_s: float = Field(default=300.0, gt=0)
 
     @model_validator(mode="after")
     def _ordered(self) -> AutoscalingConfig:
@@ -128,6 +136,14 @@ class AutoscalingConfig(Strict):
         if self.target_prefill_low >= self.target_prefill_high:
             raise ValueError(f"target_prefill_low ({self.target_prefill_low}) must be below target_prefill_high "
                              f"({self.target_prefill_high})")
+        return self
+
+    @model_validator(mode="after")
+    def _zero_knobs_need_zero(self) -> AutoscalingConfig:
+        set_knobs = [knob for knob in ZERO_KNOBS if knob in self.model_fields_set]
+        if set_knobs and self.min_replicas > 0:
+            raise ValueError(f"{', '.join(set_knobs)} act only on a pool that scales to zero; set min_replicas: 0 "
+                             f"or remove them")
         return self
 
     @model_validator(mode="after")
