@@ -85,6 +85,6 @@ def test_a_pool_at_zero_wakes_for_held_requests_and_goes_back_to_zero(zero_app):
         assert int(refused.headers["retry-after"]) >= 1
     text = httpx.get(f"{zero_app}/metrics", timeout=10).text
     assert re.search(rf'fleetserve_cold_start_seconds_count{{model="{MODEL}"}} 1\.0', text), cold_start_s
-    assert re.search(rf'fleetserve_admission_rejections_total{{model="{MODEL}",bound="cold_start_full"}} 2\.0', text)
+    assert re.search(rf'fleetserve_admission_rejections_total{{bound="cold_start_full",model="{MODEL}"}} 2\.0', text)
     assert running_replicas() == 1
     wait_for(lambda: running_replicas() == 0, 180, "idle to take the pool back to zero")
