@@ -79,6 +79,47 @@ def serve(
 
 
 @app.command()
+def apply(
+    config_path: Annotated[Path, typer.Argument(metavar="CONFIG", help="The platform config to apply.")],
+    address: Annotated[str, typer.Option(help="The Ray cluster to join (auto: the one on this machine).")] = "auto",
+    dry_run: Annotated[bool, typer.Option(help="Print what would change, and change nothing.")] = False,
+) -> None:
+    """Change a running platform in place: add or remove models, change replicas or engine args, add adapters.
+
+    Serve keeps the replicas of models that do not change, changes replica counts and autoscaling in place,
+    and rolls the rest; admitted requests finish.
+    """
+    import time
+
+    config = _load(config_path)
+
+    from fleetserve.deployments.apply import ClusterError, apply_config, join_cluster, plan_change
+
+    try:
+        join_cluster(address)
+    except ClusterError as error:
+        console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(1) from None
+    try:
+        change = plan_change(config)
+    except ConfigError as error:
+        console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2) from None
+    if change.is_empty:
+        console.print("nothing to change: the running platform already serves this config")
+        return
+    for line in change.describe():
+        console.print(f"  {line}")
+    if dry_run:
+        return
+    started = time.monotonic()
+    with console.status("applying (new engines take ~30-90 s to start on CPU)"):
+        apply_config(config)
+    console.print(f"[bold green]applied[/] in {time.monotonic() - started:.0f} s: the platform serves "
+                  f"{', '.join(model.name for model in config.models)}")
+
+
+@app.command()
 def status(
     url: Annotated[str, typer.Option(help="The platform's base URL.")] = "http://127.0.0.1:8000",
     once: Annotated[bool, typer.Option(help="Print one snapshot and exit (for scripts and tests).")] = False,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from typing import Any
 
@@ -40,11 +42,30 @@ def cpu_bindings_per_deployment(config: PlatformConfig, num_cores: int | None = 
     return bindings
 
 
+def deployment_version(*parts: Any) -> str:
+    """Serve's version of a deployment: a hash of what shapes its replicas.
+
+    Deployed again (``fleetserve apply``), Serve keeps the replicas of a deployment whose version is
+    unchanged, and updates its replica count and autoscaling in place; a deployment without a version gets a
+    new random one every time, so Serve would restart every engine.
+    """
+    text = json.dumps(parts, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _engine_version(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
+                    engine_cls: type[Engine]) -> str:
+    # Replica counts and autoscaling are Serve options it changes without a restart.
+    shape = model.model_dump(mode="json", exclude={"replicas", "autoscaling"})
+    return deployment_version(shape, bindings, model_path, f"{engine_cls.__module__}.{engine_cls.__qualname__}")
+
+
 def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
                        hub: Any, engine_cls: type[Engine]) -> Application:
     """The deployment the ingress calls for ``model``: its engine, or its decode pool behind a prefill pool."""
+    version = _engine_version(model, bindings, model_path, engine_cls)
     if model.disaggregation is None:
-        options = deployment_options(model)
+        options = {**deployment_options(model), "version": version}
         if model.routing.prefix_source == "kv_events":
             # The router tokenizes prompts as the engines do, to match the blocks their events describe.
             router_kwargs = options["request_router_config"]["request_router_kwargs"]
@@ -53,9 +74,9 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
         return EngineDeployment.options(**options).bind(
             model, bindings[deployment_name(model)], model_path, hub, engine_cls)
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
-    prefill_app = PrefillDeployment.options(**deployment_options(prefill)).bind(
+    prefill_app = PrefillDeployment.options(**deployment_options(prefill), version=version).bind(
         model, bindings[deployment_name(prefill)], model_path, hub, engine_cls)
-    return DecodeDeployment.options(**deployment_options(decode)).bind(
+    return DecodeDeployment.options(**deployment_options(decode), version=version).bind(
         model, bindings[deployment_name(decode)], model_path, hub, prefill_app, engine_cls)
 
 
@@ -71,16 +92,18 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
             tests inject fakes).
     """
     bindings = cpu_bindings_per_deployment(config)
-    hub = MetricsHubDeployment.bind({model.name: {adapter.name: adapter.source for adapter in model.lora.adapters}
-                                     for model in config.models if model.lora is not None})
+    adapters = {model.name: {adapter.name: adapter.source for adapter in model.lora.adapters}
+                for model in config.models if model.lora is not None}
+    hub = MetricsHubDeployment.options(version=deployment_version(adapters)).bind(adapters)
     engines = {}
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None
         engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls)
     # Configs cross .bind() as the validated objects themselves (Ray pickles them), not re-validated dicts.
-    ingress = IngressDeployment.options(**ingress_options(config.limits))
+    ingress = IngressDeployment.options(**ingress_options(config.limits),
+                                        version=deployment_version(config.model_dump(mode="json")))
     return ingress.bind(engines, hub, {model.name: model for model in config.models}, config.model_routing,
-                        config.auth, config.limits)
+                        config.auth, config.limits, config)
 
 
 def app_builder(args: dict[str, Any]) -> Application:

@@ -51,7 +51,7 @@ from fleetserve.deployments.ingress.security import FrontDoor, Principal, estima
 from fleetserve.deployments.ingress.streaming import EventStreamResponse, as_api_error, error_response, relay_stream
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
-from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig
+from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig, PlatformConfig
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.platform.metrics import merge_expositions
 from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, routing_text
@@ -514,13 +514,20 @@ class IngressDeployment(OpenAIIngress):
 
     def __init__(self, engine_handles: dict[str, Any], metrics_hub: Any = None,
                  models: dict[str, ModelConfig] | None = None, model_routing: ModelRoutingConfig | None = None,
-                 auth: AuthConfig | None = None, limits: LimitsConfig | None = None) -> None:
+                 auth: AuthConfig | None = None, limits: LimitsConfig | None = None,
+                 config: PlatformConfig | None = None) -> None:
+        # The whole platform config this app was built from, for `fleetserve apply` to compare against.
+        self._platform_config = config
         source = metrics_hub.collect.remote if metrics_hub is not None else None
         load_source = metrics_hub.loads.remote if metrics_hub is not None else None
         super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
                          metrics_source=source, models=models, routes=RouteTable(model_routing) if model_routing else None,
                          front_door=FrontDoor(auth) if auth else None, limits=limits, load_source=load_source,
                          adapter_catalog=HubAdapterCatalog(metrics_hub) if metrics_hub is not None else None)
+
+    async def running_config(self) -> PlatformConfig | None:
+        """The platform config this app was built from (``fleetserve apply`` diffs against it)."""
+        return self._platform_config
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.build_app()

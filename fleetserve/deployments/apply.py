@@ -1,0 +1,71 @@
+"""Changes a running platform in place (``fleetserve apply``): Serve redeploys the application, keeping the
+replicas of every deployment whose version is unchanged and rolling the others."""
+
+from __future__ import annotations
+
+import ray
+from ray import serve
+
+from fleetserve.deployments.builders import build_app
+from fleetserve.deployments.local_run import APP_NAME
+from fleetserve.platform.config import ConfigError, PlatformConfig
+from fleetserve.platform.config.diff import ConfigChange, diff_configs
+
+
+class ClusterError(RuntimeError):
+    """No Ray cluster to join; the message says where it looked."""
+
+
+def join_cluster(address: str = "auto") -> None:
+    """Joins the running Ray cluster (``auto``: the one on this machine) as a driver.
+
+    Raises:
+        ClusterError: nothing runs at ``address``.
+    """
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    except ConnectionError as error:
+        raise ClusterError(f"no Ray cluster at {address!r} ({error}); start the platform with "
+                           f"`fleetserve serve` first") from None
+
+
+def running_config(app_name: str = APP_NAME) -> PlatformConfig:
+    """The platform config the running application was built from.
+
+    Raises:
+        ConfigError: no fleetserve application of that name runs on this Ray cluster.
+    """
+    if app_name not in serve.status().applications:
+        raise ConfigError(f"no Serve application {app_name!r} runs on this Ray cluster; start one with "
+                          f"`fleetserve serve` first")
+    config = serve.get_app_handle(app_name).running_config.remote().result()
+    if config is None:
+        raise ConfigError(f"application {app_name!r} was not built by fleetserve's builder")
+    return config
+
+
+def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChange:
+    """What applying ``config`` would change.
+
+    Raises:
+        ConfigError: no such application, or a change apply cannot make (the listening address).
+    """
+    change = diff_configs(running_config(app_name), config)
+    if "server" in change.sections:
+        raise ConfigError("server: the listening address cannot change while the platform runs; restart "
+                          "`fleetserve serve` to move it")
+    return change
+
+
+def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix: str = "/") -> ConfigChange:
+    """Applies ``config`` to the running application; returns once every deployment runs it.
+
+    Admitted requests finish: models that stay keep their replicas (or roll them, new before old), and a
+    stopped deployment's replicas get Serve's graceful shutdown to finish theirs.
+
+    Raises:
+        ConfigError: as ``plan_change``.
+    """
+    change = plan_change(config, app_name)
+    serve.run(build_app(config), name=app_name, route_prefix=route_prefix)
+    return change

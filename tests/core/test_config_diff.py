@@ -1,0 +1,43 @@
+"""What `fleetserve apply` changes: the config diff, and which deployments keep their Serve version."""
+
+from factories import model_entry
+
+from fleetserve.deployments.builders import _engine_version
+from fleetserve.platform.config import parse_config
+from fleetserve.platform.config.diff import diff_configs
+from fleetserve.platform.engine import Engine
+
+
+def config(*entries, **sections):
+    return parse_config({"models": list(entries), **sections})
+
+
+def test_diff_names_added_removed_and_changed_models_with_their_keys():
+    running = config(model_entry("a"), model_entry("b"), {**model_entry("c"), "replicas": 1})
+    applied = config(model_entry("a"), {**model_entry("c"), "replicas": 2}, model_entry("d", max_model_len=512),
+                     limits={"max_tokens": 64})
+    change = diff_configs(running, applied)
+    assert (change.added, change.removed, change.changed, change.sections) == (["d"], ["b"], {"c": ["replicas"]},
+                                                                               ["limits"])
+    assert not change.restarts("c")  # a replica count changes in place
+    assert change.describe() == ["+ d: start", "- b: stop", "~ c: replicas (in place)", "~ limits"]
+
+
+def test_engine_args_restart_a_model_and_nothing_else_does():
+    running = config(model_entry("a"))
+    applied = config(model_entry("a", max_model_len=512))
+    change = diff_configs(running, applied)
+    assert change.changed == {"a": ["engine_args"]} and change.restarts("a")
+    assert diff_configs(running, running).is_empty
+
+
+def test_serve_version_ignores_replica_counts_and_follows_what_shapes_replicas():
+    one, two = config({**model_entry("a"), "replicas": 1}), config({**model_entry("a"), "replicas": 2})
+    shorter = config(model_entry("a", max_model_len=512))
+
+    def version(cfg, binding=("0",)):
+        return _engine_version(cfg.models[0], {"engine-a": list(binding)}, "/models/a", Engine)
+
+    assert version(one) == version(two)          # Serve scales it in place
+    assert version(one) != version(shorter)      # new engine args: new replicas
+    assert version(one) != version(one, ("1",))  # another core binding: new replicas
