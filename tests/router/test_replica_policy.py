@@ -169,6 +169,14 @@ def test_adapter_home_beats_stale_reports_and_dies_with_its_replica():
     assert (survivor.replica_id, survivor.reason) == ("r1", "adapter")
 
 
+def test_an_adapter_every_replica_holds_spreads_by_load():
+    router = policy()
+    router.choose("<lora:a>" + "1" * 16, adapter_loads(r0=(0, set()), r1=(0, set())), adapter="a")
+    # Both hold a; its home r0 is busier by one: the least loaded holder takes it (1 of 3 blocks shared: no hit).
+    decision = router.choose("<lora:a>" + "2" * 16, adapter_loads(r0=(1, {"a"}), r1=(0, {"a"})), adapter="a")
+    assert (decision.replica_id, decision.reason) == ("r1", "adapter")
+
+
 def test_base_model_requests_ignore_adapter_reports():
     router = policy()
     decision = router.choose("hello", adapter_loads(r0=(1, set()), r1=(0, {"a"})))

@@ -104,10 +104,10 @@ class CacheAwareThresholds:
 class CacheAwarePolicy:
     """Prefix-cache-aware and adapter-aware routing guarded by a load-imbalance check.
 
-    A request for a LoRA adapter with no prefix hit goes to the adapter's home: the replica this router last
-    sent it to (fresher than any report), else the least loaded replica whose engine reports holding it.
-    Among equally loaded replicas, a new adapter goes to the one that is home to the fewest, so adapters
-    spread over replicas instead of evicting each other from one engine's adapter cache. vLLM's prefix cache
+    A request for a LoRA adapter with no prefix hit goes to the least loaded replica holding the adapter: its
+    engine reports it, or it is the adapter's home (where this router last sent it; fresher than any report).
+    At equal load the home wins. A new adapter goes to the equally loaded replica that is home to the
+    fewest, so adapters spread over replicas instead of evicting each other from one engine's cache. vLLM's prefix cache
     is per adapter, and the ingress keys an adapter's prompts apart, so a prefix hit implies the adapter too.
 
     Args:
@@ -145,7 +145,10 @@ class CacheAwarePolicy:
             if matches[best.replica_id].ratio >= self.thresholds.cache_threshold:
                 chosen, reason = best, "cache_hit"
             elif holders:
-                chosen = min(holders, key=lambda r: (r.num_outstanding, homes[r.replica_id],
+                # At equal load the adapter's home wins (no reload, even where reports lag); an adapter every
+                # replica holds spreads like least-loaded.
+                home = self._adapter_homes.get(adapter)
+                chosen = min(holders, key=lambda r: (r.num_outstanding, r.replica_id != home, homes[r.replica_id],
                                                      r.kv_cache_usage or 0.0, r.replica_id))
                 reason = "adapter"
             else:
@@ -162,11 +165,11 @@ class CacheAwarePolicy:
         return RoutingDecision(chosen.replica_id, reason, matches[chosen.replica_id].ratio)
 
     def _holders(self, adapter: str | None, replicas: Sequence[ReplicaLoad]) -> list[ReplicaLoad]:
-        """The replicas an adapter's request should go to: its home, else those reporting the adapter."""
+        """The replicas that hold an adapter: those reporting it, and its home."""
         if adapter is None:
             return []
-        home = [r for r in replicas if r.replica_id == self._adapter_homes.get(adapter)]
-        return home or [r for r in replicas if adapter in r.adapter_names]
+        home = self._adapter_homes.get(adapter)
+        return [r for r in replicas if adapter in r.adapter_names or r.replica_id == home]
 
     def forget(self, live_replica_ids: Sequence[str]) -> None:
         self.index.retain(live_replica_ids)
