@@ -3,12 +3,27 @@
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, field_validator
 
 # Model names become Serve deployment names and URL-visible ids.
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
+
+
+def check_name(name: str) -> str:
+    """A model or adapter name, as clients send it: 1-64 letters, digits, '.', '_' or '-'.
+
+    Raises:
+        ValueError: any other name.
+    """
+    if not NAME_PATTERN.match(name):
+        raise ValueError("expected 1-64 characters of letters, digits, '.', '_' or '-', starting alphanumeric")
+    return name
+
+
+# A model or adapter name field.
+ModelName = Annotated[str, AfterValidator(check_name)]
 MiB = 1024 * 1024
 
 

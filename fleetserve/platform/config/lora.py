@@ -4,25 +4,19 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from fleetserve.platform.config.base import NAME_PATTERN, Strict
+from fleetserve.platform.config.base import ModelName, Strict
 
 
 class LoraAdapter(Strict):
     """One adapter, served as the model name ``name``."""
 
     # The name clients send as ``model``; it lists in /v1/models with the base model as its parent.
-    name: str
+    name: ModelName
     # A local PEFT adapter folder, or ``random-lora:<seed>`` (a random adapter for the base, built locally).
     source: str
 
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, name: str) -> str:
-        if not NAME_PATTERN.match(name):
-            raise ValueError("expected 1-64 characters of letters, digits, '.', '_' or '-', starting alphanumeric")
-        return name
 
 
 class LoraConfig(Strict):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from fleetserve.platform.config.autoscaling import AutoscalingConfig
-from fleetserve.platform.config.base import NAME_PATTERN, Strict
+from fleetserve.platform.config.base import ModelName, Strict
 from fleetserve.platform.config.disaggregation import DisaggregationConfig, PoolConfig
 from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, ApiConfig, EngineArgs, Resources
 from fleetserve.platform.config.lora import LoraConfig
@@ -18,7 +18,7 @@ class ModelConfig(Strict):
     """One served model."""
 
     # The name clients send as ``model``.
-    name: str
+    name: ModelName
     # A local HF folder, a .gguf file, or a packaged model id (see ``fleetserve.platform.model_store``).
     source: str
     # Replicas to run (the initial count when autoscaling is set).
@@ -165,9 +165,3 @@ class ModelConfig(Strict):
         return (num_input_tokens * self.cost_per_million_input_tokens
                 + num_output_tokens * self.cost_per_million_output_tokens) / 1e6
 
-    @field_validator("name")
-    @classmethod
-    def _check_name(cls, name: str) -> str:
-        if not NAME_PATTERN.match(name):
-            raise ValueError("expected 1-64 characters of letters, digits, '.', '_' or '-', starting alphanumeric")
-        return name
