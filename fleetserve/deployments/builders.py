@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 from ray.serve import Application
+from ray.serve.deployment import Deployment
 
 from fleetserve.deployments.disaggregated.decode_server import DecodeDeployment
 from fleetserve.deployments.disaggregated.prefill_server import PrefillDeployment
@@ -53,6 +54,17 @@ def deployment_version(*parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def versioned(deployment: Deployment, version: str) -> Deployment:
+    """The deployment with Serve's version set.
+
+    Ray 2.60 refuses ``version`` from users (it versions deployments itself: ``serve.run`` with a random
+    version each time, the declarative API with the application's code version) and accepts it only from
+    its own builder, through ``_internal``; Ray is pinned, and tests/serving/test_apply_served.py fails if
+    a kept model's replica restarts.
+    """
+    return deployment.options(version=version, _internal=True)
+
+
 def _engine_version(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
                     engine_cls: type[Engine]) -> str:
     # Replica counts and autoscaling are Serve options it changes without a restart.
@@ -65,18 +77,18 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
     """The deployment the ingress calls for ``model``: its engine, or its decode pool behind a prefill pool."""
     version = _engine_version(model, bindings, model_path, engine_cls)
     if model.disaggregation is None:
-        options = {**deployment_options(model), "version": version}
+        options = deployment_options(model)
         if model.routing.prefix_source == "kv_events":
             # The router tokenizes prompts as the engines do, to match the blocks their events describe.
             router_kwargs = options["request_router_config"]["request_router_kwargs"]
             router_kwargs["tokenizer_source"] = model_path or model.source
             router_kwargs["chat_template"] = chat_template_text(model)
-        return EngineDeployment.options(**options).bind(
+        return versioned(EngineDeployment.options(**options), version).bind(
             model, bindings[deployment_name(model)], model_path, hub, engine_cls)
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
-    prefill_app = PrefillDeployment.options(**deployment_options(prefill), version=version).bind(
+    prefill_app = versioned(PrefillDeployment.options(**deployment_options(prefill)), version).bind(
         model, bindings[deployment_name(prefill)], model_path, hub, engine_cls)
-    return DecodeDeployment.options(**deployment_options(decode), version=version).bind(
+    return versioned(DecodeDeployment.options(**deployment_options(decode)), version).bind(
         model, bindings[deployment_name(decode)], model_path, hub, prefill_app, engine_cls)
 
 
@@ -94,14 +106,14 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
     bindings = cpu_bindings_per_deployment(config)
     adapters = {model.name: {adapter.name: adapter.source for adapter in model.lora.adapters}
                 for model in config.models if model.lora is not None}
-    hub = MetricsHubDeployment.options(version=deployment_version(adapters)).bind(adapters)
+    hub = versioned(MetricsHubDeployment, deployment_version(adapters)).bind(adapters)
     engines = {}
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None
         engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls)
     # Configs cross .bind() as the validated objects themselves (Ray pickles them), not re-validated dicts.
-    ingress = IngressDeployment.options(**ingress_options(config.limits),
-                                        version=deployment_version(config.model_dump(mode="json")))
+    ingress = versioned(IngressDeployment.options(**ingress_options(config.limits)),
+                        deployment_version(config.model_dump(mode="json")))
     return ingress.bind(engines, hub, {model.name: model for model in config.models}, config.model_routing,
                         config.auth, config.limits, config)
 
