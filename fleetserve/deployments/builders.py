@@ -67,9 +67,11 @@ def versioned(deployment: Deployment, version: str) -> Deployment:
 
 def _engine_version(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
                     engine_cls: type[Engine]) -> str:
-    # Replica counts and autoscaling are Serve options it changes without a restart.
+    # Replica counts and autoscaling are Serve options it changes without a restart; other models' core
+    # bindings are theirs.
     shape = model.model_dump(mode="json", exclude={"replicas", "autoscaling"})
-    return deployment_version(shape, bindings, model_path, f"{engine_cls.__module__}.{engine_cls.__qualname__}")
+    own = {name: bindings[name] for name in (deployment_name(model.pool_model(pool)) for pool in model.pools())}
+    return deployment_version(shape, own, model_path, f"{engine_cls.__module__}.{engine_cls.__qualname__}")
 
 
 def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,

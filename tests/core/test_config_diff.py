@@ -35,9 +35,11 @@ def test_serve_version_ignores_replica_counts_and_follows_what_shapes_replicas()
     one, two = config({**model_entry("a"), "replicas": 1}), config({**model_entry("a"), "replicas": 2})
     shorter = config(model_entry("a", max_model_len=512))
 
-    def version(cfg, binding=("0",)):
-        return _engine_version(cfg.models[0], {"engine-a": list(binding)}, "/models/a", Engine)
+    def version(cfg, binding=("0",), others=None):
+        bindings = {"engine-a": list(binding), **(others or {})}
+        return _engine_version(cfg.models[0], bindings, "/models/a", Engine)
 
     assert version(one) == version(two)          # Serve scales it in place
     assert version(one) != version(shorter)      # new engine args: new replicas
     assert version(one) != version(one, ("1",))  # another core binding: new replicas
+    assert version(one) == version(one, others={"engine-b": ["1"]})  # another model added: untouched
