@@ -26,6 +26,23 @@ def wait_until_healthy(app: str, timeout_s: float = 240.0) -> float:
     return float("inf")
 
 
+def running_replicas(app: str, deployment: str) -> int:
+    """A deployment's RUNNING replicas, as Serve reports them."""
+    from ray import serve
+
+    return serve.status().applications[app].deployments[deployment].replica_states.get("RUNNING", 0)
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.5) -> None:
+    """Polls ``predicate`` until it holds; fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(poll_s)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
 def replica_actors(deployment: str) -> list[str]:
     """Names of a deployment's live Serve replica actors."""
     import ray

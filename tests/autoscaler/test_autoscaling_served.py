@@ -5,10 +5,11 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
+import cluster_helpers
+from cluster_helpers import wait_for
 from factories import model_entry
 
 pytestmark = pytest.mark.slow
@@ -37,19 +38,8 @@ def autoscaled(served):
 
 
 def running_replicas() -> int:
-    from ray import serve
+    return cluster_helpers.running_replicas("autoscale", f"engine-{MODEL}")
 
-    status = serve.status().applications["autoscale"].deployments[f"engine-{MODEL}"]
-    return status.replica_states.get("RUNNING", 0)
-
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(1)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def decisions(url: str) -> dict[str, float]:

@@ -9,6 +9,8 @@ import time
 
 import httpx
 import pytest
+import cluster_helpers
+from cluster_helpers import wait_for
 from factories import model_entry
 
 pytestmark = pytest.mark.slow
@@ -36,10 +38,7 @@ def zero_app(served):
 
 
 def running_replicas() -> int:
-    from ray import serve
-
-    status = serve.status().applications["zero"].deployments[f"engine-{MODEL}"]
-    return status.replica_states.get("RUNNING", 0)
+    return cluster_helpers.running_replicas("zero", f"engine-{MODEL}")
 
 
 def reporting_replicas(url: str) -> int:
@@ -48,14 +47,6 @@ def reporting_replicas(url: str) -> int:
     found = re.search(rf'fleetserve_replicas{{model="{MODEL}",pool="colocated"}} ([0-9.]+)', text)
     return int(float(found.group(1))) if found else 0
 
-
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
 def test_a_pool_at_zero_wakes_for_held_requests_and_goes_back_to_zero(zero_app):

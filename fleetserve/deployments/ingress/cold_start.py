@@ -31,8 +31,6 @@ class _Wake:
 
     # time.monotonic() when its first request was held.
     started_at: float
-    # Set once the pool has answered: the held requests may go on.
-    awake: asyncio.Event
     # The held requests after the first, in arrival order, each waiting for its turn.
     waiters: deque[asyncio.Future[None]]
 
@@ -91,10 +89,11 @@ class ColdStartHold:
         arrived = time.monotonic()
         first = wake is None
         if first:
-            wake = self._wakes[model] = _Wake(arrived, asyncio.Event(), deque())
+            wake = self._wakes[model] = _Wake(arrived, deque())
         self._change_held(model, +1)
         try:
-            if not first and not wake.awake.is_set():
+            # A wake is dropped once its first request is answered, so a later one finds none and goes first.
+            if not first:
                 turn = asyncio.get_running_loop().create_future()
                 wake.waiters.append(turn)
                 try:
@@ -117,7 +116,6 @@ class ColdStartHold:
 
     def _release(self, model: str, wake: _Wake) -> None:
         """The first request has its answer (or failed): the others go on, in arrival order."""
-        wake.awake.set()
         while wake.waiters:
             turn = wake.waiters.popleft()
             if not turn.done():
