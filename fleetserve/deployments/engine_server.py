@@ -31,6 +31,7 @@ from fleetserve.platform.relay import relay, request_headers
 from fleetserve.platform.replica_adapters import ReplicaAdapters
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
 from fleetserve.platform.stats import EngineStats
+from fleetserve.platform.unread_params import RequestCheck
 from fleetserve.router.replica.serve_adapter import KVEventSource, routing_stats
 
 logger = logging.getLogger(__name__)
@@ -72,6 +73,21 @@ class EngineServer:
         # The model's LoRA adapters (None without lora:); the names the engine holds, for the router.
         self.adapters = ReplicaAdapters(path) if model.lora is not None else None
         self.resident_adapter_names: list[str] = []
+        self.request_check = RequestCheck(self._chat_template())
+
+    def _chat_template(self) -> str | None:
+        from fleetserve.platform.openai_app import chat_template_text
+
+        tokenizer = getattr(self.engine, "tokenizer", None)  # injected test engines may have none
+        template = chat_template_text(self.model) or getattr(tokenizer, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def _refusal(self, request: ApiRequest, started_at: float) -> ReplicaChunk | None:
+        """A 400 for a request with parameters nothing would act on (``unread_params``); None to serve it."""
+        body = self.request_check.refusal(request.endpoint, request.body)
+        if body is None:
+            return None
+        return ReplicaChunk(body, head=ResponseHead(400, "application/json", self.replica_id, started_at))
 
     async def _serving_app(self) -> Any:
         """vLLM's app, ready to serve (the Serve replica also waits for its adapters to sync)."""
@@ -82,12 +98,21 @@ class EngineServer:
 
         Closing the stream early aborts the request in the engine.
         """
-        async for chunk in self._run(request, request.body, time.time()):
+        started_at = time.time()
+        refusal = self._refusal(request, started_at)
+        if refusal is not None:
+            yield refusal
+            return
+        async for chunk in self._run(request, request.body, started_at):
             yield chunk
 
     async def respond(self, request: ApiRequest) -> tuple[ResponseHead, bytes]:
         """The whole response of a request run on this replica's engine (its status and body)."""
-        chunks = [chunk async for chunk in self._run(request, request.body, time.time())]
+        started_at = time.time()
+        refusal = self._refusal(request, started_at)
+        if refusal is not None:
+            return refusal.head, refusal.data
+        chunks = [chunk async for chunk in self._run(request, request.body, started_at)]
         return chunks[0].head, b"".join(chunk.data for chunk in chunks)
 
     async def _run(self, request: ApiRequest, body: bytes, started_at: float,

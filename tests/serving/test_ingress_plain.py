@@ -72,9 +72,18 @@ async def test_stream_without_include_usage_has_no_usage_chunk_but_is_accounted(
 
 async def test_body_reaches_the_engine_as_sent(client, server):
     body = {"model": "fake", "prompt": "a b", "max_tokens": 2, "logit_bias": {"5": -100}, "n": 1,
-            "response_format": {"type": "json_object"}, "some_future_field": [1, 2]}
+            "response_format": {"type": "json_object"}, "min_p": 0.1, "top_k": 3}
     assert (await client.post("/v1/completions", json=body)).status_code == 200
     assert server.engine.bodies[-1] == body
+
+
+async def test_a_field_vllm_would_ignore_is_refused_before_the_engine(client, server):
+    num_bodies = len(server.engine.bodies)
+    body = {"model": "fake", "prompt": "a b", "max_tokens": 2, "best_of": 2}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "best_of"
+    assert len(server.engine.bodies) == num_bodies
 
 
 async def test_engine_errors_are_relayed_with_their_status_and_body(client):

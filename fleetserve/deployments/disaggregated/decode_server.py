@@ -154,7 +154,7 @@ class DecodeServer(EngineServer):
 
     async def _prefills_remotely(self, request: ApiRequest, payload: dict[str, Any]) -> bool:
         # Several samples, prompt logprobs and echo need the prompt computed here.
-        if (payload.get("n") or 1) > 1 or (payload.get("best_of") or 1) > 1 or payload.get("echo") \
+        if (payload.get("n") or 1) > 1 or payload.get("echo") \
                 or payload.get("prompt_logprobs") is not None:
             return False
         if self.settings.min_prompt_tokens <= 1:
@@ -170,6 +170,10 @@ class DecodeServer(EngineServer):
             EngineRequestError: the prefill pool failed on every attempt (503).
         """
         started_at = time.time()
+        refusal = self._refusal(request, started_at)
+        if refusal is not None:
+            yield refusal
+            return
         payload = None
         if request.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
             try:

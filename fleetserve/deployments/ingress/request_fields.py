@@ -62,9 +62,10 @@ class RequestFields:
         if adapter is not None:
             # vLLM's prefix cache is per adapter: the same prompt under another adapter shares no blocks.
             text = f"<lora:{adapter}>{text}"
-        user = self.payload.get("user")
-        return RoutingHints(text, session_id or (user if isinstance(user, str) else None),
-                            self.messages, self.prompt, adapter)
+        # OpenAI's prompt_cache_key exists to keep one prefix on one cache: it keys affinity, before `user`.
+        keys = (self.payload.get("prompt_cache_key"), self.payload.get("user"))
+        session = session_id or next((key for key in keys if isinstance(key, str) and key), None)
+        return RoutingHints(text, session, self.messages, self.prompt, adapter)
 
 
 async def read_body(request: Request, max_bytes: int) -> bytes:
