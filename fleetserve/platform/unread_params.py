@@ -34,8 +34,7 @@ REQUEST_TYPES: dict[Endpoint, tuple[str, str]] = {
 # Read by fleetserve's ingress, not by vLLM: the replica router's affinity key.
 PLATFORM_PARAMS = frozenset({"prompt_cache_key"})
 # Values that ask for nothing, so need no reader: OpenAI's defaults for parameters vLLM lacks.
-NO_OP_VALUES: dict[str, tuple[Any, ...]] = {"store": (False,), "parallel_tool_calls": (True,),
-                                            "service_tier": ("auto", "default")}
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {"store": (False,), "service_tier": ("auto", "default")}
 # Chat fields that vLLM only hands to the chat template as variables of the same name.
 TEMPLATE_FIELDS = ("reasoning_effort", "documents")
 
