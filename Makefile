@@ -53,8 +53,8 @@ $(STAMPS)/system:
 MMLU    ?= ../shared/data/routellm/mmlu
 ROUTERS := examples/routers
 router-checkpoints: $(STAMPS)/install
-	$(BIN)/fleetserve router train $(MMLU) --router classifier --embedder hashing --out $(ROUTERS)/mmlu-classifier-hashing
-	$(BIN)/fleetserve router calibrate $(ROUTERS)/mmlu-classifier-hashing --strong-fraction 0.3
+	$(BIN)/fleetserve router train $(MMLU) --router mlp --embedder difficulty --out $(ROUTERS)/mmlu-mlp-difficulty
+	$(BIN)/fleetserve router calibrate $(ROUTERS)/mmlu-mlp-difficulty --strong-fraction 0.3
 	$(BIN)/fleetserve router train $(MMLU) --router mf --embedder minilm --out $(ROUTERS)/mmlu-mf-minilm
 	$(BIN)/fleetserve router calibrate $(ROUTERS)/mmlu-mf-minilm --strong-fraction 0.3
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -99,7 +100,13 @@ def routing_checkpoint(tmp_path_factory) -> Any:
 
 
 @pytest.fixture(scope="session")
-def served(ray_cluster, routing_checkpoint) -> Served:
+def traffic_file(tmp_path_factory) -> Path:
+    """Where the suite's app records routed prompts (auth is off, so as tenant "anonymous")."""
+    return tmp_path_factory.mktemp("traffic") / "traffic.jsonl"
+
+
+@pytest.fixture(scope="session")
+def served(ray_cluster, routing_checkpoint, traffic_file) -> Served:
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
@@ -107,7 +114,8 @@ def served(ray_cluster, routing_checkpoint) -> Served:
 
     config = parse_config({"models": SERVED_MODELS, "model_routing": {
         "checkpoints": {"classifier": str(routing_checkpoint)}, "tiers": ["tiny", "smollm2"],
-        "routes": [{"name": "auto", "router": "classifier", "strong_fraction": 0.5}]}})
+        "routes": [{"name": "auto", "router": "classifier", "strong_fraction": 0.5}],
+        "recording": {"path": str(traffic_file), "anonymous": True}}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="fleetserve", route_prefix="/")

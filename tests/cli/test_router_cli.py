@@ -71,3 +71,59 @@ def test_clear_errors_for_bad_inputs(data_csv, tmp_path):
     assert result.exit_code == 2 and "unknown embedder 'word2vec'" in result.output
     result = run("router", "calibrate", str(tmp_path), "--strong-fraction", "0.3")
     assert result.exit_code == 2 and "cannot load router checkpoint" in result.output
+
+
+@pytest.fixture
+def subjects_folder(tmp_path):
+    # 40 subjects of 15 prompts: in the "hard" subjects (every third) only the strong model is right.
+    folder = tmp_path / "subjects"
+    folder.mkdir()
+    for s in range(40):
+        hard = s % 3 == 0
+        rows = [f"{'prove this difficult theorem' if hard else 'say hello politely'} s{s} q{r},{not hard},True"
+                for r in range(15)]
+        (folder / f"subject_{s}.csv").write_text("prompt,weak-model,strong-model\n" + "\n".join(rows) + "\n")
+    return folder
+
+
+def test_group_split_trains_calibrates_and_evaluates_on_unseen_groups(subjects_folder, tmp_path):
+    checkpoint = tmp_path / "knn"
+    result = run("router", "train", str(subjects_folder), "--router", "knn", "--embedder", "hashing-256",
+                 "--split-by", "group", "--out", str(checkpoint))
+    assert result.exit_code == 0, result.output
+    metadata = json.loads((checkpoint / "metadata.json").read_text())
+    data = load_training_data(subjects_folder)
+    train = data.select("train", by="group")
+    assert metadata["training"]["split_by"] == "group"
+    assert metadata["training"]["num_prompts"] == len(train.prompts) == 15 * len(set(train.groups))
+    assert "train loss —" in result.output  # knn has no loss
+
+    result = run("router", "calibrate", str(checkpoint), "--strong-fraction", "0.3")
+    assert result.exit_code == 0, result.output
+    calibration = data.select("calibration", by="group")
+    assert f"of {len(calibration.prompts)} calibration prompts" in " ".join(result.output.split())
+
+    out = tmp_path / "eval.json"
+    result = run("router", "eval", str(subjects_folder), "--checkpoint", str(checkpoint), "--json", str(out),
+                 "--bootstrap", "50")
+    assert result.exit_code == 0, result.output
+    figures = json.loads(out.read_text())
+    test = data.select("test", by="group")
+    assert figures["split_by"] == "group" and figures["num_groups"] == len(set(test.groups))
+    assert figures["routers"]["knn"]["num_prompts"] == len(test.prompts)
+    # Unseen subjects that share the words of the trained hard ones: a perfect ranking again,
+    # so APGR = 1 - hard share / 2.
+    hard_share = float((~test.correct[:, 0]).mean())
+    assert figures["routers"]["knn"]["apgr"]["value"] == pytest.approx(1 - hard_share / 2)
+
+
+def test_eval_refuses_checkpoints_trained_on_different_splits(subjects_folder, tmp_path):
+    for split_by in ("group", "prompt"):
+        result = run("router", "train", str(subjects_folder), "--router", "classifier", "--embedder", "hashing-256",
+                     "--split-by", split_by, "--out", str(tmp_path / split_by))
+        assert result.exit_code == 0, result.output
+    result = run("router", "eval", str(subjects_folder), "--checkpoint", str(tmp_path / "group"),
+                 "--checkpoint", str(tmp_path / "prompt"))
+    assert result.exit_code == 2 and "trained on different splits" in result.output
+    result = run("router", "train", str(subjects_folder), "--split-by", "subject", "--out", str(tmp_path / "x"))
+    assert result.exit_code == 2 and "--split-by must be one of prompt, group" in result.output

@@ -87,12 +87,13 @@ def test_routed_example_resolves_checkpoints_next_to_the_file():
     data = synthetic_correctness()
     data.models = ["mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview"]
     routers = {}
-    for kind in ("mf", "classifier"):
-        routers[kind] = train_router(kind, data, make_embedder("hashing-256"))
+    for kind, spec in (("mf", "hashing-256"), ("mlp", "difficulty")):
+        routers[kind] = train_router(kind, data, make_embedder(spec))
         routers[kind].calibrate(data.prompts, 0.3)
     table = RouteTable(config.model_routing, routers=routers)
     assert table.names() == ["auto", "auto-mf"]
     assert table.resolve("auto").tiers == ("tiny", "smollm2")
+    assert table.resolve("auto").out_of_domain_tier == 1  # smollm2
     assert table.resolve("auto").checkpoint_models == ("mistralai/Mixtral-8x7B-Instruct-v0.1", "gpt-4-1106-preview")
 
 

@@ -127,6 +127,11 @@ def models_section(**costs):
     ({"tiers": ["a", "b"], "routes": [{"name": "auto", "router": "random"}]}, "exactly one of threshold"),
     ({"tiers": ["a", "b"], "routes": [{"name": "a", "router": "random", "threshold": 0.5}]}, "already a served model"),
     ({"tiers": ["a", "b"], "routes": [{"name": "router-x", "router": "random", "threshold": 0.5}]}, "reserved"),
+    ({"tiers": ["a", "b"], "checkpoints": {"knn": "x"},
+      "routes": [{"name": "auto", "router": "knn", "threshold": 0.5, "out_of_domain_tier": "c"}]},
+     r"out_of_domain_tier 'c' is not one of its tiers \['a', 'b'\]"),
+    ({"tiers": ["a", "b"], "routes": [{"name": "auto", "router": "random", "threshold": 0.5,
+                                       "out_of_domain_tier": "b"}]}, "random has no domain"),
 ])
 def test_model_routing_config_errors_name_the_problem(routing, message):
     with pytest.raises(ConfigError, match=message):
@@ -154,9 +159,12 @@ async def test_ingress_answers_with_the_chosen_model_and_counts_decisions(routed
             assert response.headers["x-fleetserve-model"] == expected
             assert response.headers["x-fleetserve-route"] == "auto"
             assert 0.0 <= float(response.headers["x-fleetserve-win-rate"]) < 1.0
+            assert response.headers["x-fleetserve-model-route-reason"] == (
+                "strongest_needed" if expected == "pricey" else "below_threshold")
+            assert "x-fleetserve-domain-distance" not in response.headers
         metrics = (await client.get("/metrics")).text
-        assert 'fleetserve_model_route_decisions_total{model="pricey",route="auto"} 1.0' in metrics
-        assert 'fleetserve_model_route_decisions_total{model="cheap",route="auto"} 1.0' in metrics
+        assert 'fleetserve_model_route_decisions_total{model="pricey",reason="strongest_needed",route="auto"} 1.0' in metrics
+        assert 'fleetserve_model_route_decisions_total{model="cheap",reason="below_threshold",route="auto"} 1.0' in metrics
         # The cheap request made 2 output tokens: saved (10 - 1) * 2 / 1e6 = 1.8e-05 dollars.
         assert 'fleetserve_route_cost_saved_dollars_total{route="auto"} 1.8e-05' in metrics
         models = [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
@@ -174,3 +182,31 @@ async def test_ingress_rejects_bad_routes_with_openai_400(routed_client):
         assert response.status_code == 400 and "text prompt" in response.json()["error"]["message"]
         # A plain unknown model is still a 404.
         assert (await client.post("/v1/completions", json={"model": "nope", "prompt": "x"})).status_code == 404
+
+
+async def test_an_out_of_domain_prompt_goes_to_the_fallback_tier_with_its_reason(fake_engine_cls, classifier):
+    servers = {name: EngineServer(ModelConfig(name=name, source="unused"), engine_cls=fake_engine_cls,
+                                  model_path="/unused") for name in ("cheap", "pricey")}
+    models = {"cheap": ModelConfig(name="cheap", source="x", cost_per_million_output_tokens=1.0),
+              "pricey": ModelConfig(name="pricey", source="x", cost_per_million_output_tokens=10.0)}
+    # Threshold 1 sends every in-domain prompt to cheap, so only the domain check can pick pricey.
+    routes = table(classifier, routes=[{"name": "auto", "router": "classifier", "threshold": 1.0,
+                                        "out_of_domain_tier": "pricey"}])
+    ingress = OpenAIIngress({name: LocalModelClient(server) for name, server in servers.items()}, models=models,
+                            routes=routes)
+    far = "SELECT count(*) FROM orders WHERE shipped IS NULL GROUP BY region"  # no word of the training prompts
+    transport = httpx.ASGITransport(app=ingress.build_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+        for text, model, reason in ((far, "pricey", "out_of_domain"), (EASY, "cheap", "below_threshold")):
+            response = await client.post("/v1/chat/completions", json={
+                "model": "auto", "messages": [{"role": "user", "content": text}], "max_tokens": 2})
+            assert response.status_code == 200
+            assert response.headers["x-fleetserve-model"] == model
+            assert response.headers["x-fleetserve-model-route-reason"] == reason
+            distance = float(response.headers["x-fleetserve-domain-distance"])
+            assert distance == pytest.approx(classifier.domain_distance(text), abs=1e-6)
+            assert (distance > classifier.max_domain_distance) == (reason == "out_of_domain")
+            # Out of domain the win rate is never computed, so none is reported.
+            assert ("x-fleetserve-win-rate" in response.headers) == (reason != "out_of_domain")
+        metrics = (await client.get("/metrics")).text
+        assert 'fleetserve_model_route_decisions_total{model="pricey",reason="out_of_domain",route="auto"} 1.0' in metrics

@@ -59,7 +59,7 @@ def test_decisions_and_savings_are_in_metrics(client, served):
 
     ask(client, "router-classifier-1", "say hello politely")
     text = httpx.get(f"{served.base_url}/metrics", timeout=10).text
-    assert 'fleetserve_model_route_decisions_total{model="tiny",route="router-classifier-1"}' in text
+    assert 'fleetserve_model_route_decisions_total{model="tiny",reason="below_threshold",route="router-classifier-1"}' in text
     saved = [line for line in text.splitlines()
              if line.startswith('fleetserve_route_cost_saved_dollars_total{route="router-classifier-1"}')]
     assert saved and float(saved[0].split()[-1]) > 0.0

@@ -28,7 +28,7 @@ def embedder() -> HashingEmbedder:
     return make_embedder("hashing-256")
 
 
-@pytest.mark.parametrize("kind", ["mf", "classifier"])
+@pytest.mark.parametrize("kind", ["mf", "classifier", "mlp", "knn"])
 def test_trained_router_ranks_every_hard_prompt_above_every_easy_one(kind, embedder):
     data = synthetic_correctness()
     router = train_router(kind, data, embedder)
@@ -38,7 +38,7 @@ def test_trained_router_ranks_every_hard_prompt_above_every_easy_one(kind, embed
     assert rates[hard].min() > rates[~hard].max()
 
 
-@pytest.mark.parametrize("kind", ["mf", "classifier"])
+@pytest.mark.parametrize("kind", ["mf", "classifier", "mlp", "knn"])
 def test_apgr_of_a_perfect_ranking_is_one_minus_half_the_hard_share(kind, embedder):
     data = synthetic_correctness(num_prompts=40, hard_every=4)
     router = train_router(kind, data, embedder)
@@ -80,18 +80,23 @@ def test_random_router_is_deterministic_per_prompt_and_near_half_apgr():
     assert routing_curve(first, data.correct[:, 0], data.correct[:, 1]).apgr() == pytest.approx(0.5, abs=0.05)
 
 
-@pytest.mark.parametrize("kind", ["mf", "classifier", "random"])
-def test_save_then_load_reproduces_win_rates_bit_for_bit(kind, embedder, tmp_path):
+@pytest.mark.parametrize("kind, spec", [("mf", "hashing-256"), ("classifier", "hashing-256"), ("random", "hashing-256"),
+                                        ("mlp", "hashing-256"), ("knn", "hashing-256"), ("classifier", "difficulty"),
+                                        ("mlp", "difficulty")])
+def test_save_then_load_reproduces_win_rates_bit_for_bit(kind, spec, tmp_path):
     data = synthetic_correctness()
-    router = train_router(kind, data, embedder)
+    router = train_router(kind, data, make_embedder(spec))
     router.save(tmp_path / "ckpt")
     loaded = load_router(tmp_path / "ckpt")
     assert np.array_equal(loaded.win_rates(data.prompts), router.win_rates(data.prompts))
-    assert [loaded.strong_win_rate(p) for p in data.prompts[:5]] == [router.strong_win_rate(p) for p in data.prompts[:5]]
+    # One prompt at a time (serving) gives the bits of the batch (calibration).
+    assert [loaded.strong_win_rate(p) for p in data.prompts[:5]] == router.win_rates(data.prompts[:5]).tolist()
+    if kind != "random":
+        assert [loaded.domain_distance(p) for p in data.prompts[:5]] == router.domain_distances(data.prompts[:5]).tolist()
     metadata = json.loads((tmp_path / "ckpt" / "metadata.json").read_text())
     assert metadata["format_version"] == 1 and metadata["router"] == kind
     assert metadata["models"] == ["weak-model", "strong-model"]
-    assert metadata["embedder"] == "hashing-256"
+    assert metadata["embedder"] == make_embedder(spec).spec
 
 
 def test_load_rejects_a_folder_without_checkpoint_and_another_embedder(embedder, tmp_path):

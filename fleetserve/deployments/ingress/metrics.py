@@ -25,8 +25,13 @@ class IngressMetrics:
                             "Estimated cost of served tokens at the model's configured prices.", ["model"],
                             registry=self.registry)
         self.model_route_decisions = Counter("fleetserve_model_route_decisions",
-                                             "Cost/quality routing decisions by routed name and chosen model.",
-                                             ["route", "model"], registry=self.registry)
+                                             "Cost/quality routing decisions by routed name, chosen model and "
+                                             "reason.", ["route", "model", "reason"], registry=self.registry)
+        self.route_strong_share = Gauge("fleetserve_route_strong_share", "Share of the route's requests this "
+                                        "ingress sent to its strongest tier since it started.", ["route"],
+                                        registry=self.registry)
+        self.route_strong_share_target = Gauge("fleetserve_route_strong_share_target", "The route's configured "
+                                               "strong_fraction.", ["route"], registry=self.registry)
         self.route_cost_saved = Counter("fleetserve_route_cost_saved_dollars",
                                         "Estimated dollars saved by routed requests against always using the "
                                         "route's strongest tier.", ["route"], registry=self.registry)

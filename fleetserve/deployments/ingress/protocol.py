@@ -20,6 +20,11 @@ HEADER_ROUTE_REASON = "x-fleetserve-route-reason"
 # The routed name a cost/quality route resolved (e.g. "auto"), and the strong win rate it computed.
 HEADER_ROUTE = "x-fleetserve-route"
 HEADER_WIN_RATE = "x-fleetserve-win-rate"
+# Why the route picked that model (RouteReason: below_threshold, strongest_needed, threshold_zero,
+# out_of_domain), and the prompt's distance from the router's training prompts when measured. Not
+# x-fleetserve-route-reason, which already says why the replica router picked the replica.
+HEADER_MODEL_ROUTE_REASON = "x-fleetserve-model-route-reason"
+HEADER_DOMAIN_DISTANCE = "x-fleetserve-domain-distance"
 # Clients may name a session for session-affinity routing (the body's `user` field works too).
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"

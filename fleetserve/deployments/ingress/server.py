@@ -24,7 +24,9 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from fleetserve.deployments.ingress.protocol import (
+    HEADER_DOMAIN_DISTANCE,
     HEADER_MODEL,
+    HEADER_MODEL_ROUTE_REASON,
     HEADER_POOL,
     HEADER_PREFILL_REPLICA,
     HEADER_REPLICA,
@@ -46,6 +48,7 @@ from fleetserve.deployments.ingress.adapters import (
 from fleetserve.deployments.ingress.cold_start import ColdStartHold
 from fleetserve.deployments.ingress.limits import LoadSource, WorkLimits, check_request_limits, effective_max_tokens
 from fleetserve.deployments.ingress.model_clients import HandleModelClient, ModelClient
+from fleetserve.deployments.ingress.route_ledger import ANONYMOUS, RouteLedger
 from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
 from fleetserve.deployments.ingress.streaming import EventStreamResponse, as_api_error, error_response, relay_stream
@@ -120,6 +123,12 @@ class OpenAIIngress:
                 model.name: {a.name: a.source for a in model.lora.adapters}
                 for model in self.models.values() if model.lora is not None}), {})
         self.adapters = AdapterDirectory(configured, lora_bases, adapter_catalog)
+        self.ledger = None
+        if routes is not None:
+            recording = routes.config.recording
+            tenants = ({name for name, spec in front_door.limiter.tenants.items() if spec.record_routed_prompts}
+                       if front_door is not None else ({ANONYMOUS} if recording and recording.anonymous else set()))
+            self.ledger = RouteLedger(routes, self.platform_metrics, tenants)
         if front_door is None:
             logger.warning("AUTH IS OFF: this endpoint serves anyone who can reach it, with no rate limits. "
                            "Add `auth:` to the platform config to require API keys.")
@@ -222,6 +231,15 @@ class OpenAIIngress:
                     return card
             raise APIError(f"The model `{model_id}` does not exist.", 404, "not_found_error", param="model",
                            code="model_not_found")
+
+        @app.post("/v1/feedback")
+        async def feedback(raw: Request) -> dict[str, Any]:
+            if self.ledger is None:
+                raise APIError("feedback is about routed requests, and this platform has no model_routing", 404,
+                               "not_found_error", code="not_found")
+            principal = getattr(raw.state, "principal", None)
+            payload = parse_body(await read_body(raw, self.limits.max_body_bytes))
+            return self.ledger.feedback(principal.tenant if principal is not None else None, payload)
 
         for endpoint in Endpoint:
             app.add_api_route(endpoint.value, self._endpoint_handler(endpoint), methods=["POST"],
@@ -338,8 +356,8 @@ class OpenAIIngress:
                 self.platform_metrics.replicas.labels(model, pool).set(count)
         return merge_expositions([self.platform_metrics.exposition(), *engine_texts])
 
-    async def _route(self, endpoint: Endpoint, fields: RequestFields) -> RouteChoice:
-        """Resolves a routed model name to the served model for this request."""
+    async def _route(self, endpoint: Endpoint, fields: RequestFields) -> tuple[RouteChoice, str]:
+        """Resolves a routed model name to the served model for this request, and the text it routed on."""
         if not endpoint.generates:
             raise APIError(f"routed model `{fields.model}` serves generation endpoints only, not {endpoint.value}",
                            400, param="model", code="invalid_route")
@@ -352,8 +370,8 @@ class OpenAIIngress:
         text = routing_text(fields.messages, fields.prompt, self.routes.config.route_on)
         loop = asyncio.get_running_loop()
         choice = await loop.run_in_executor(self._route_executor, RouteTable.choose, route, text)
-        self.platform_metrics.model_route_decisions.labels(choice.route, choice.model).inc()
-        return choice
+        self.platform_metrics.model_route_decisions.labels(choice.route, choice.model, choice.reason.value).inc()
+        return choice, text
 
     def _pool_of(self, model: str) -> str:
         """The pool whose replica streams the response (decode for a disaggregated model)."""
@@ -415,10 +433,12 @@ class OpenAIIngress:
         received_at = time.time()
         choice = None
         if fields.model not in self.clients and self.routes is not None and self.routes.is_routed(fields.model):
-            choice = await self._route(endpoint, fields)
+            choice, routed_text = await self._route(endpoint, fields)
         model = choice.model if choice is not None else fields.model
         client = self._client(model)
         request_id = new_id("req")
+        if choice is not None:
+            self.ledger.on_decision(choice, request_id, tenant, routed_text)
         forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body, self._priority(model, tenant))
         base = self._base(model)
         hints = fields.routing_hints(session_id, adapter=model if base != model else None)
@@ -434,8 +454,11 @@ class OpenAIIngress:
             headers[HEADER_PREFILL_REPLICA] = head.prefill_replica_id
         if choice is not None:
             headers[HEADER_ROUTE] = choice.route
+            headers[HEADER_MODEL_ROUTE_REASON] = choice.reason.value
             if choice.win_rate is not None:
                 headers[HEADER_WIN_RATE] = f"{choice.win_rate:.6f}"
+            if choice.domain_distance is not None:
+                headers[HEADER_DOMAIN_DISTANCE] = f"{choice.domain_distance:.6f}"
         reason = client.route_reason(request_id)
         if reason is not None:
             headers[HEADER_ROUTE_REASON] = reason

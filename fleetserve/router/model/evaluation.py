@@ -86,6 +86,8 @@ class RouterEvaluation:
     # APGR minus the random router's on the same resamples (None for random itself).
     apgr_over_random: Estimate | None
     curve: RoutingCurve
+    # Bootstrap resamples the intervals come from (those where the strong model beat the weak one).
+    num_resamples: int = 0
 
 
 def _interval(values: np.ndarray, point: float, confidence: float) -> Estimate:
@@ -94,21 +96,46 @@ def _interval(values: np.ndarray, point: float, confidence: float) -> Estimate:
     return Estimate(point, float(low), float(high))
 
 
+def bootstrap_samples(num_prompts: int, num_bootstrap: int, seed: int = 0,
+                      groups: list[str] | None = None) -> list[np.ndarray]:
+    """Index resamples of the prompts; with ``groups``, whole groups are drawn (a cluster bootstrap).
+
+    Prompts of one group share a subject and a difficulty, so on a group-held-out split a resample
+    of prompts understates how much the figures depend on which groups were held out.
+    """
+    rng = np.random.default_rng(seed)
+    if groups is None:
+        return [rng.integers(0, num_prompts, num_prompts) for _ in range(num_bootstrap)]
+    names = sorted(set(groups))
+    members = {name: [] for name in names}
+    for index, group in enumerate(groups):
+        members[group].append(index)
+    rows = [np.asarray(members[name]) for name in names]
+    return [np.concatenate([rows[i] for i in rng.integers(0, len(names), len(names))]) for _ in range(num_bootstrap)]
+
+
 def evaluate_routers(win_rates: dict[str, np.ndarray], weak_correct: np.ndarray, strong_correct: np.ndarray,
                      num_bootstrap: int = 1000, confidence: float = 0.95, seed: int = 0,
-                     baseline: str = "random") -> list[RouterEvaluation]:
+                     baseline: str = "random", groups: list[str] | None = None) -> list[RouterEvaluation]:
     """APGR, CPT(50%) and CPT(80%) for each router, and each router's APGR gain over ``baseline``.
 
     Every router is scored on the same bootstrap resamples of the prompts, so the gain's interval
     accounts for the prompts they share.
+
+    Args:
+        groups: each prompt's group; when given, the bootstrap resamples whole groups.
     """
-    rng = np.random.default_rng(seed)
-    n = len(weak_correct)
-    samples = [rng.integers(0, n, n) for _ in range(num_bootstrap)]
+    samples = bootstrap_samples(len(weak_correct), num_bootstrap, seed, groups)
+    # PGR needs a gap to recover: a resample of a few groups can draw only groups where the weak
+    # model does as well, and is dropped (RouterEvaluation.num_resamples says how many were kept).
+    samples = [s for s in samples if strong_correct[s].mean() > weak_correct[s].mean()]
+    if not samples:
+        raise ValueError("no bootstrap resample has the strong model ahead of the weak one")
     curves = {name: routing_curve(rates, weak_correct, strong_correct) for name, rates in win_rates.items()}
     points = {name: _figures(curve) for name, curve in curves.items()}
     resampled = {name: np.array([_figures(routing_curve(rates[s], weak_correct[s], strong_correct[s])) for s in samples])
                  for name, rates in win_rates.items()}
+    n = len(weak_correct)
     evaluations = []
     for name, curve in curves.items():
         point, stats = points[name], resampled[name]
@@ -117,7 +144,7 @@ def evaluate_routers(win_rates: dict[str, np.ndarray], weak_correct: np.ndarray,
             gain = _interval(stats[:, 0] - resampled[baseline][:, 0], point[0] - points[baseline][0], confidence)
         evaluations.append(RouterEvaluation(
             name, n, _interval(stats[:, 0], point[0], confidence), _interval(stats[:, 1], point[1], confidence),
-            _interval(stats[:, 2], point[2], confidence), gain, curve))
+            _interval(stats[:, 2], point[2], confidence), gain, curve, len(samples)))
     return evaluations
 
 

@@ -8,6 +8,13 @@ any pair is ``sigmoid(score_a - score_b)`` (Bradley-Terry) and routes may have m
 * ``random``: a uniform draw per prompt (a hash, so the same prompt always gets the same rate).
 * ``mf``: RouteLLM's matrix factorisation, ``score_m(x) = w . (normalize(P_m) * (W x))``.
 * ``classifier``: logistic regression with one linear score per model, ``score_m(x) = w_m . x + b_m``.
+* ``mlp``: one hidden layer to a score per model (``mlp.py``).
+* ``knn``: the outcomes on the nearest training prompts (``knn.py``); rates are averaged outcomes,
+  not a sigmoid of scores.
+
+Inputs from an embedder that is not L2-normalised (``difficulty``) are standardised with the
+training split's mean and deviation, kept in the checkpoint. Every trained router also keeps a
+sample of its training inputs, so it can tell how far a prompt lies from them (``domain.py``).
 
 Training uses pairwise battles (correctness tables become battles, ties counting half); inference
 is numpy over the saved float32 arrays, so a loaded checkpoint reproduces win rates bit for bit.
@@ -18,18 +25,21 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 
+from fleetserve.router.model.domain import DomainParams, fit_domain, nearest_distances
 from fleetserve.router.model.embedders import Embedder, make_embedder
 from fleetserve.router.model.evaluation import strong_fraction_at, threshold_for_strong_fraction
+from fleetserve.router.model.knn import KnnParams, knn_points, knn_weights
+from fleetserve.router.model.mlp import MlpParams, mlp_scores, train_mlp
 from fleetserve.router.model.routing_data import Battles, CorrectnessTable, TrainingData
 
-RouterKind = Literal["random", "mf", "classifier"]
-ROUTER_KINDS: tuple[RouterKind, ...] = ("random", "mf", "classifier")
+RouterKind = Literal["random", "mf", "classifier", "mlp", "knn"]
+ROUTER_KINDS: tuple[RouterKind, ...] = ("random", "mf", "classifier", "mlp", "knn")
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "weights.safetensors"
 METADATA_FILE = "metadata.json"
@@ -72,6 +82,13 @@ class CostQualityRouter:
     def weak(self) -> str:
         return self.models[0]
 
+    def inputs(self, embeddings: np.ndarray) -> np.ndarray:
+        """The router's inputs, float64: embeddings, standardised when the checkpoint says so."""
+        x = np.asarray(embeddings, dtype=np.float64)
+        if "input_mean" in self.weights:
+            x = (x - self.weights["input_mean"].astype(np.float64)) / self.weights["input_std"].astype(np.float64)
+        return x
+
     def scores(self, embeddings: np.ndarray) -> np.ndarray:
         """Per-model scores, float64 [num_prompts, num_models], from prompt embeddings.
 
@@ -79,7 +96,9 @@ class CostQualityRouter:
         many) give each prompt the same bits whether it is scored alone in serving or in a batch
         during calibration, so a prompt at a calibrated threshold routes the same way in both.
         """
-        x = np.asarray(embeddings, dtype=np.float64)
+        x = self.inputs(embeddings)
+        if self.kind == "mlp":
+            return mlp_scores(self.weights, x)
         if self.kind == "mf":
             projection = np.einsum("nd,kd->nk", x, self.weights["text_proj"].astype(np.float64), optimize=False)
             P = self.weights["P"].astype(np.float64)
@@ -112,9 +131,32 @@ class CostQualityRouter:
             return rates if a > b else 1.0 - rates
         if embeddings is None:
             embeddings = self.embedder.embed(prompts)
-        scores = self.scores(embeddings)
+        if self.kind == "knn":
+            points = knn_points(self.weights, self.inputs(embeddings), KnnParams(**self.metadata["knn"]))
+            rates = 0.5 + 0.5 * (points[:, a] - points[:, b])
+        else:
+            scores = self.scores(embeddings)
+            rates = _sigmoid(scores[:, a] - scores[:, b])
         # Below 1 so that threshold 1 routes everything to the weak model, as in RouteLLM.
-        return np.minimum(_sigmoid(scores[:, a] - scores[:, b]), _BELOW_ONE)
+        return np.minimum(rates, _BELOW_ONE)
+
+    @property
+    def max_domain_distance(self) -> float | None:
+        """Beyond this distance from the training inputs a prompt is out of domain (None: no support kept)."""
+        domain = self.metadata.get("domain")
+        return float(domain["max_distance"]) if domain and "domain_support" in self.weights else None
+
+    def domain_distances(self, prompts: list[str], embeddings: np.ndarray | None = None) -> np.ndarray:
+        """Each prompt's distance to the nearest kept training input, in the router's input space."""
+        if self.max_domain_distance is None:
+            raise ValueError(f"the {self.kind} router keeps no training inputs to measure distance against")
+        if embeddings is None:
+            embeddings = self.embedder.embed(prompts)
+        return nearest_distances(self.inputs(embeddings), self.weights["domain_support"])
+
+    def domain_distance(self, prompt: str) -> float:
+        """One prompt's distance to the training inputs, with the embedding from the LRU cache."""
+        return float(self.domain_distances([prompt], self.embedder.embed_one(prompt)[None, :])[0])
 
     def win_rate(self, prompt: str, model_a: str, model_b: str) -> float:
         """P(model_a beats model_b) on one prompt, with the embedding from the LRU cache."""
@@ -217,6 +259,9 @@ class TrainingParams:
     # Classifier inverse regularisation strength (scikit-learn's C).
     inverse_regularization: float = 0.5
     seed: int = 0
+    knn: KnnParams = KnnParams()
+    mlp: MlpParams = MlpParams()
+    domain: DomainParams = DomainParams()
 
 
 def _symmetric(battles: Battles) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -295,18 +340,41 @@ def train_router(kind: RouterKind, data: TrainingData, embedder: Embedder, embed
     metadata: dict[str, Any] = {"seed": params.seed, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                                 "training": {**(data_info or {}), "num_prompts": len(battles.prompts),
                                              "num_battles": int(len(battles.outcomes)),
-                                             "params": params.__dict__}}
+                                             "params": asdict(params)}}
     if kind == "random":
         return CostQualityRouter("random", models, embedder, {}, metadata)
     if embeddings is None:
         embeddings = embedder.embed(battles.prompts, progress=True)
-    train = _train_mf if kind == "mf" else _train_classifier
-    weights, loss = train(battles, embeddings, params)
+    x, standardise = _standardised(np.asarray(embeddings, dtype=np.float32), embedder)
+    if kind == "knn" and standardise:
+        raise ValueError(f"knn measures cosine similarity and needs an L2-normalised embedder (minilm or "
+                         f"hashing), not {embedder.spec!r}")
     # Reorder the per-model rows so that index i is models[i] (weakest first).
     order = [battles.models.index(name) for name in models]
-    if kind == "mf":
+    loss = None
+    if kind == "knn":
+        weights = knn_weights(x, battles.points()[:, order])
+        metadata["knn"] = asdict(params.knn)
+    elif kind == "mlp":
+        weights, loss = train_mlp(x, _symmetric(battles), len(battles.models), params.mlp)
+        weights["w2"], weights["b2"] = weights["w2"][order], weights["b2"][order]
+    elif kind == "mf":
+        weights, loss = _train_mf(battles, x, params)
         weights["P"] = weights["P"][order]
     else:
+        weights, loss = _train_classifier(battles, x, params)
         weights["coef"], weights["bias"] = weights["coef"][order], weights["bias"][order]
+    weights.update(standardise)
+    weights["domain_support"], metadata["domain"] = fit_domain(x, params.domain)
     metadata["metrics"] = {"train_loss": loss}
     return CostQualityRouter(kind, models, embedder, weights, metadata)
+
+
+def _standardised(embeddings: np.ndarray, embedder: Embedder) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    # Hand-written features have their own scales; normalised embeddings are left as they are.
+    if getattr(embedder, "normalized", True):
+        return embeddings, {}
+    mean = embeddings.mean(axis=0)
+    std = np.maximum(embeddings.std(axis=0), 1e-6)
+    standardised = ((embeddings.astype(np.float64) - mean) / std).astype(np.float32)
+    return standardised, {"input_mean": mean.astype(np.float32), "input_std": std.astype(np.float32)}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from enum import Enum
 from typing import Protocol
 
 from fleetserve.platform.config import ModelRoutingConfig
@@ -32,6 +33,28 @@ class WinRateRouter(Protocol):
         """P(model_a's answer beats model_b's) on this prompt, 0-1."""
         ...
 
+    @property
+    def max_domain_distance(self) -> float | None:
+        """Distance from the training prompts beyond which a prompt is out of domain (None: unknown)."""
+        ...
+
+    def domain_distance(self, prompt: str) -> float:
+        """How far this prompt lies from the router's training prompts."""
+        ...
+
+
+class RouteReason(str, Enum):
+    """Why a route picked its tier (the ``x-fleetserve-model-route-reason`` header)."""
+
+    # Threshold 0: the strongest tier, with no win rate computed.
+    THRESHOLD_ZERO = "threshold_zero"
+    # The strongest tier is not predicted to beat the chosen one.
+    BELOW_THRESHOLD = "below_threshold"
+    # The strongest tier is predicted to beat every cheaper one.
+    STRONGEST_NEEDED = "strongest_needed"
+    # The prompt lies beyond the router's domain bound: the route's out_of_domain_tier.
+    OUT_OF_DOMAIN = "out_of_domain"
+
 
 class RouteError(ValueError):
     """A routed model name that does not resolve; the message lists the valid routes."""
@@ -48,6 +71,8 @@ class Route:
     tiers: tuple[str, ...]
     # The router's model for each tier, same order.
     checkpoint_models: tuple[str, ...]
+    # Index of the tier for out-of-domain prompts; None trusts the win rate everywhere.
+    out_of_domain_tier: int | None = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +87,9 @@ class RouteChoice:
     win_rate: float | None
     # The strongest tier, for "cost saved against always-strong".
     strongest_model: str
+    reason: RouteReason = RouteReason.BELOW_THRESHOLD
+    # The prompt's distance from the router's training prompts, when the route measures it.
+    domain_distance: float | None = None
 
 
 def calibrated_threshold(router: CostQualityRouter, strong_fraction: float) -> float:
@@ -117,9 +145,15 @@ class RouteTable:
             tiers = spec.tiers or config.tiers
             threshold = spec.threshold if spec.threshold is not None else calibrated_threshold(
                 router, spec.strong_fraction)
+            where = f"model_routing.routes[{spec.name}]"
+            fallback = None
+            if spec.out_of_domain_tier is not None:
+                if router.max_domain_distance is None:
+                    raise RouteError(f"{where}: out_of_domain_tier needs a checkpoint that keeps its training "
+                                     f"inputs; the {router.kind} checkpoint has none (retrain it)")
+                fallback = list(tiers).index(spec.out_of_domain_tier)
             self.named[spec.name] = Route(spec.name, router, threshold, tuple(tiers),
-                                          _map_tiers(router, tiers, spec.checkpoint_models,
-                                                     f"model_routing.routes[{spec.name}]"))
+                                          _map_tiers(router, tiers, spec.checkpoint_models, where), fallback)
 
     def names(self) -> list[str]:
         """The named routes, as listed in /v1/models."""
@@ -171,14 +205,23 @@ class RouteTable:
         """Picks the cheapest tier the strongest is not predicted to beat (may embed: run off the event loop)."""
         top = len(route.tiers) - 1
         strongest = route.checkpoint_models[top]
+        distance = None
+        if route.out_of_domain_tier is not None:
+            distance = route.router.domain_distance(text)
+            if distance > route.router.max_domain_distance:
+                index = route.out_of_domain_tier
+                return RouteChoice(route.name, route.tiers[index], index, None, route.tiers[top],
+                                   RouteReason.OUT_OF_DOMAIN, distance)
+        if route.threshold <= 0.0:
+            return RouteChoice(route.name, route.tiers[top], top, None, route.tiers[top],
+                               RouteReason.THRESHOLD_ZERO, distance)
         for index in range(top):
-            if route.threshold <= 0.0:
-                break
             rate = route.router.win_rate(text, strongest, route.checkpoint_models[index])
             if rate < route.threshold:
-                return RouteChoice(route.name, route.tiers[index], index, rate, route.tiers[top])
-        rate = None if route.threshold <= 0.0 else rate
-        return RouteChoice(route.name, route.tiers[top], top, rate, route.tiers[top])
+                return RouteChoice(route.name, route.tiers[index], index, rate, route.tiers[top],
+                                   RouteReason.BELOW_THRESHOLD, distance)
+        return RouteChoice(route.name, route.tiers[top], top, rate, route.tiers[top],
+                           RouteReason.STRONGEST_NEEDED, distance)
 
 
 def routing_text(messages: list[dict[str, str]] | None, prompt: str | None, route_on: str) -> str:
