@@ -100,13 +100,13 @@ def routing_checkpoint(tmp_path_factory) -> Any:
 
 
 @pytest.fixture(scope="session")
-def traffic_file(tmp_path_factory) -> Path:
+def traffic_dir(tmp_path_factory) -> Path:
     """Where the suite's app records routed prompts (auth is off, so as tenant "anonymous")."""
-    return tmp_path_factory.mktemp("traffic") / "traffic.jsonl"
+    return tmp_path_factory.mktemp("traffic")
 
 
 @pytest.fixture(scope="session")
-def served(ray_cluster, routing_checkpoint, traffic_file) -> Served:
+def served(ray_cluster, routing_checkpoint, traffic_dir) -> Served:
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
@@ -115,7 +115,7 @@ def served(ray_cluster, routing_checkpoint, traffic_file) -> Served:
     config = parse_config({"models": SERVED_MODELS, "model_routing": {
         "checkpoints": {"classifier": str(routing_checkpoint)}, "tiers": ["tiny", "smollm2"],
         "routes": [{"name": "auto", "router": "classifier", "strong_fraction": 0.5}],
-        "recording": {"path": str(traffic_file), "anonymous": True}}})
+        "recording": {"directory": str(traffic_dir), "anonymous": True}}})
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="fleetserve", route_prefix="/")

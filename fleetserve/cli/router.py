@@ -120,7 +120,7 @@ def calibrate(
     strong_fraction: Annotated[float, typer.Option(help="Share of reference prompts to send to the strong model.")],
     data: Annotated[Optional[Path], typer.Option(help="Reference data; default the checkpoint's training data.")] = None,
     records: Annotated[Optional[Path], typer.Option(help="Calibrate on recorded traffic instead "
-                                                         "(model_routing.recording's file).")] = None,
+                                                         "(model_routing.recording.directory, or one of its files).")] = None,
     route: Annotated[Optional[str], typer.Option(help="With --records: only this route's prompts.")] = None,
     threads: Annotated[int, typer.Option(help="Torch threads for embedding.")] = 2,
 ) -> None:
@@ -158,7 +158,7 @@ def calibrate(
 
 @router_app.command("label")
 def label_traffic(
-    records: Annotated[Path, typer.Argument(help="Recorded traffic (model_routing.recording's file).")],
+    records: Annotated[Path, typer.Argument(help="Recorded traffic (model_routing.recording.directory, or one of its files).")],
     url: Annotated[str, typer.Option(help="The platform's URL, e.g. http://127.0.0.1:8000.")],
     models: Annotated[str, typer.Option(help="The two served models to compare, cheap first: 'tiny,smollm2'.")],
     out: Annotated[Path, typer.Option(help="Battles JSONL to write (RouteLLM's format).")],

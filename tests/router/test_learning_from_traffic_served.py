@@ -47,7 +47,7 @@ def cli(*args: str):
 
 
 @pytest.fixture(scope="module")
-def recorded(served, traffic_file):
+def recorded(served, traffic_dir):
     """Sends this test's prompts through the routed name `auto`; returns them with their request ids."""
     prompts = pick_prompts()
     ids = {}
@@ -55,16 +55,19 @@ def recorded(served, traffic_file):
         response = httpx.post(f"{served.base_url}/v1/chat/completions", timeout=60, json={
             "model": "auto", "messages": [{"role": "user", "content": prompt}], "max_tokens": 1})
         assert response.status_code == 200, response.text
-        ids[prompt] = response.headers["x-request-id"]
+        # One id: Serve's proxy assigns and returns it, the ingress uses it and vLLM names the completion by it.
+        (request_id,) = response.headers.get_list("x-request-id")
+        assert response.json()["id"] == f"chatcmpl-{request_id}"
+        ids[prompt] = request_id
     return prompts, ids
 
 
-def test_routed_prompts_and_feedback_are_recorded(served, traffic_file, recorded):
+def test_routed_prompts_and_feedback_are_recorded(served, traffic_dir, recorded):
     prompts, ids = recorded
     response = httpx.post(f"{served.base_url}/v1/feedback", timeout=10,
                           json={"request_id": ids[prompts[0]], "thumbs": "down"})
     assert response.status_code == 200 and response.json()["score"] == 0.0
-    records = list(read_records(traffic_file))
+    records = list(read_records(traffic_dir))
     ours = {r.prompt: r for r in records if isinstance(r, RouteRecord) and r.prompt in ids}
     assert set(ours) == set(prompts)
     for prompt, record in ours.items():
@@ -77,7 +80,7 @@ def test_routed_prompts_and_feedback_are_recorded(served, traffic_file, recorded
     assert 'fleetserve_route_strong_share{route="auto"}' in metrics
 
 
-def test_exact_match_labels_train_and_recorded_calibration(served, traffic_file, recorded, tmp_path):
+def test_exact_match_labels_train_and_recorded_calibration(served, traffic_dir, recorded, tmp_path):
     prompts, _ = recorded
     tiny_answers = {p: answer(served.base_url, "tiny", p) for p in prompts}
     smol_answers = {p: answer(served.base_url, "smollm2", p) for p in prompts}
@@ -87,7 +90,7 @@ def test_exact_match_labels_train_and_recorded_calibration(served, traffic_file,
     answers = tmp_path / "answers.jsonl"
     answers.write_text("".join(json.dumps({"prompt": p, "answer": tiny_answers[p]}) + "\n" for p in prompts))
     battles = tmp_path / "battles.jsonl"
-    cli("router", "label", str(traffic_file), "--url", served.base_url, "--models", "tiny,smollm2",
+    cli("router", "label", str(traffic_dir), "--url", served.base_url, "--models", "tiny,smollm2",
         "--scorer", "exact", "--answers", str(answers), "--route", "auto", "--max-tokens", str(MAX_TOKENS),
         "--out", str(battles))
     lines = [json.loads(line) for line in battles.read_text().splitlines()]
@@ -101,19 +104,19 @@ def test_exact_match_labels_train_and_recorded_calibration(served, traffic_file,
     assert metadata["models"] == ["smollm2", "tiny"]  # tiny won every battle, so it ranks strongest
 
     result = cli("router", "calibrate", str(checkpoint), "--strong-fraction", "0.5", "--records",
-                 str(traffic_file), "--route", "auto")
+                 str(traffic_dir), "--route", "auto")
     entry = json.loads((checkpoint / "metadata.json").read_text())["calibrations"][0]
-    recorded_auto = {r.prompt for r in read_records(traffic_file) if isinstance(r, RouteRecord) and r.route == "auto"}
+    recorded_auto = {r.prompt for r in read_records(traffic_dir) if isinstance(r, RouteRecord) and r.route == "auto"}
     assert (entry["split"], entry["route"], entry["num_prompts"]) == ("recorded traffic", "auto", len(recorded_auto))
     assert f"{entry['threshold']:.6f}" == result.stdout.strip().splitlines()[-1]
 
 
-def test_the_judge_scorer_asks_the_served_judge_and_maps_its_verdict(served, traffic_file, recorded, tmp_path):
+def test_the_judge_scorer_asks_the_served_judge_and_maps_its_verdict(served, traffic_dir, recorded, tmp_path):
     prompts, _ = recorded
     # Only this test's records, so the judge is not asked about every prompt the suite routed.
     ours = tmp_path / "ours.jsonl"
-    ours.write_text("".join(line + "\n" for line in traffic_file.read_text().splitlines()
-                            if json.loads(line).get("prompt") in prompts))
+    ours.write_text("".join(line + "\n" for file in sorted(traffic_dir.glob("*.jsonl"))
+                            for line in file.read_text().splitlines() if json.loads(line).get("prompt") in prompts))
     battles = tmp_path / "judged.jsonl"
     cli("router", "label", str(ours), "--url", served.base_url, "--models", "tiny,smollm2",
         "--scorer", "judge", "--judge-model", "smollm2", "--max-tokens", str(MAX_TOKENS), "--out", str(battles))

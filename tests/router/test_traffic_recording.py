@@ -57,8 +57,8 @@ async def chat(client, tenant, text):
 
 
 async def test_only_opted_in_tenants_are_recorded_with_exact_fields(fake_engine_cls, classifier, tmp_path):
-    path = tmp_path / "traffic.jsonl"
-    async with http(ingress(fake_engine_cls, classifier, {"path": str(path)})) as client:
+    path = tmp_path / "traffic"
+    async with http(ingress(fake_engine_cls, classifier, {"directory": str(path)})) as client:
         hard = await chat(client, "alpha", HARD)
         easy = await chat(client, "alpha", EASY)
         await chat(client, "beta", HARD)  # beta did not opt in
@@ -80,7 +80,9 @@ async def test_only_opted_in_tenants_are_recorded_with_exact_fields(fake_engine_
     assert (second.model, second.strongest, second.reason) == ("cheap", False, "below_threshold")
     assert [(r.request_id, r.score) for r in records[2:]] == [(hard.headers["x-request-id"], 1.0),
                                                               (easy.headers["x-request-id"], 0.25)]
-    assert "alpha" not in path.read_text()  # tenants appear only as hashes
+    (live,) = path.iterdir()  # one file per ingress process
+    assert live.name.startswith("routed-") and live.suffix == ".jsonl"
+    assert "alpha" not in live.read_text()  # tenants appear only as hashes
     assert metrics.status_code == 403  # alpha is no admin; the share is checked below
 
 
@@ -102,8 +104,8 @@ async def test_strong_share_and_its_target_are_metrics(fake_engine_cls, classifi
 
 
 async def test_anonymous_recording_and_bad_feedback_bodies(fake_engine_cls, classifier, tmp_path):
-    path = tmp_path / "traffic.jsonl"
-    async with http(ingress(fake_engine_cls, classifier, {"path": str(path), "anonymous": True},
+    path = tmp_path / "traffic"
+    async with http(ingress(fake_engine_cls, classifier, {"directory": str(path), "anonymous": True},
                             auth=False)) as client:
         await client.post("/v1/completions", json={"model": "auto", "prompt": EASY, "max_tokens": 2})
         for body, param in (({"request_id": "r"}, None), ({"request_id": "r", "score": 1.5}, "score"),
@@ -124,7 +126,7 @@ async def test_feedback_without_routing_is_404(fake_engine_cls):
 
 
 def test_records_rotate_by_size_and_read_back_oldest_first(tmp_path):
-    recorder = TrafficRecorder(tmp_path / "t.jsonl", max_bytes=1024, num_backups=2)
+    recorder = TrafficRecorder(tmp_path, max_bytes=1024, num_backups=2, name="t.jsonl")
     for i in range(30):
         recorder.record_feedback(f"req-{i:02d}", "alpha", 0.5)
     recorder.close()
@@ -135,6 +137,14 @@ def test_records_rotate_by_size_and_read_back_oldest_first(tmp_path):
     assert ids == sorted(ids) and ids[-1] == "req-29" and len(ids) < 30
     line = json.loads((tmp_path / "t.jsonl").read_text().splitlines()[-1])
     assert line["type"] == "feedback" and line["tenant"] == tenant_hash("alpha")
+
+
+def test_a_folder_reads_every_process_file(tmp_path):
+    for name in ("routed-a-1.jsonl", "routed-b-2.jsonl"):
+        recorder = TrafficRecorder(tmp_path, max_bytes=1 << 20, num_backups=1, name=name)
+        recorder.record_feedback(name, "alpha", 1.0)
+        recorder.close()
+    assert [r.request_id for r in read_records(tmp_path)] == ["routed-a-1.jsonl", "routed-b-2.jsonl"]
 
 
 def test_a_foreign_line_names_its_file_and_line(tmp_path):

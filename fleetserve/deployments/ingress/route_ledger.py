@@ -51,7 +51,7 @@ class RouteLedger:
     def __init__(self, routes: RouteTable, metrics: IngressMetrics, recording_tenants: set[str]) -> None:
         self.metrics = metrics
         recording = routes.config.recording
-        self.recorder = (TrafficRecorder(recording.path, recording.max_bytes, recording.num_backups)
+        self.recorder = (TrafficRecorder(recording.directory, recording.max_bytes, recording.num_backups)
                          if recording is not None else None)
         self.recording_tenants = recording_tenants if self.recorder is not None else set()
         self._counts: dict[str, list[int]] = {}

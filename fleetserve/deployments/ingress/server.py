@@ -308,7 +308,8 @@ class OpenAIIngress:
             try:
                 principal = getattr(raw.state, "principal", None)
                 response = await self.serve_request(endpoint, fields, body, raw.headers.get(HEADER_SESSION),
-                                                    principal.tenant if principal is not None else None)
+                                                    principal.tenant if principal is not None else None,
+                                                    self._proxy_request_id(raw))
             except APIError:
                 self._refund(charge)
                 raise
@@ -423,12 +424,19 @@ class OpenAIIngress:
             return body, False
         return json.dumps({**payload, "model": model}).encode(), strip_usage
 
+    def _proxy_request_id(self, raw: Request) -> str | None:
+        """The request id a proxy in front already gave this request (and returns as x-request-id), if any."""
+        return None
+
     async def serve_request(self, endpoint: Endpoint, fields: RequestFields, body: bytes,
-                            session_id: str | None = None, tenant: str | None = None) -> Response:
+                            session_id: str | None = None, tenant: str | None = None,
+                            request_id: str | None = None) -> Response:
         """Runs one API request on the model's engines; returns vLLM's response, streamed or whole.
 
         Args:
             tenant: the caller's tenant (auth on), for its fair share of the admission queue.
+            request_id: the id a proxy in front assigned and returns to the client; None: a new one,
+                returned in x-request-id.
         """
         received_at = time.time()
         choice = None
@@ -436,7 +444,8 @@ class OpenAIIngress:
             choice, routed_text = await self._route(endpoint, fields)
         model = choice.model if choice is not None else fields.model
         client = self._client(model)
-        request_id = new_id("req")
+        assigned = request_id is not None
+        request_id = request_id or new_id("req")
         if choice is not None:
             self.ledger.on_decision(choice, request_id, tenant, routed_text)
         forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body, self._priority(model, tenant))
@@ -448,8 +457,9 @@ class OpenAIIngress:
             self.work.admit(base, tenant, share, batch=tenant is not None and self.front_door.is_batch(tenant))
         stream, first = await self._start(base, client, request, tenant)
         head = first.head
-        headers = {HEADER_MODEL: model, HEADER_REPLICA: head.replica_id, HEADER_POOL: self._pool_of(model),
-                   HEADER_REQUEST_ID: request_id}
+        headers = {HEADER_MODEL: model, HEADER_REPLICA: head.replica_id, HEADER_POOL: self._pool_of(model)}
+        if not assigned:  # a proxy that assigned the id also returns it; a second header would join the two
+            headers[HEADER_REQUEST_ID] = request_id
         if head.prefill_replica_id is not None:
             headers[HEADER_PREFILL_REPLICA] = head.prefill_replica_id
         if choice is not None:
@@ -547,6 +557,10 @@ class IngressDeployment(OpenAIIngress):
                          metrics_source=source, models=models, routes=RouteTable(model_routing) if model_routing else None,
                          front_door=FrontDoor(auth) if auth else None, limits=limits, load_source=load_source,
                          adapter_catalog=HubAdapterCatalog(metrics_hub) if metrics_hub is not None else None)
+
+    def _proxy_request_id(self, raw: Request) -> str | None:
+        # Serve's proxy gives every request an x-request-id (the client's, or a new one) and returns it.
+        return raw.headers.get(HEADER_REQUEST_ID)
 
     async def running_config(self) -> PlatformConfig | None:
         """The platform config this app was built from (``fleetserve apply`` diffs against it)."""

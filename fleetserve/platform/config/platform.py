@@ -131,7 +131,7 @@ def load_config(path: str | Path) -> PlatformConfig:
                                             for kind, folder in config.model_routing.checkpoints.items()}
         if config.model_routing.recording is not None:
             recording = config.model_routing.recording
-            recording.path = str((path.parent / recording.path).resolve())
+            recording.directory = str((path.parent / recording.directory).resolve())
     if config.auth is not None and config.auth.api_keys_file is not None:
         config.auth.api_keys_file = str((path.parent / config.auth.api_keys_file).resolve())
     return config

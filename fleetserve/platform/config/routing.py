@@ -65,8 +65,9 @@ class ModelRoute(Strict):
 class RecordingConfig(Strict):
     """Where the ingress records routed prompts of tenants that opted in (auth.tenants.*.record_routed_prompts)."""
 
-    # The live JSONL file, relative to the config file; rotated copies get .1, .2, ... suffixes.
-    path: str
+    # A folder, relative to the config file; each ingress process writes routed-<host>-<pid>.jsonl there,
+    # rotated copies getting .1, .2, ... suffixes.
+    directory: str
     # Size at which the live file is rotated.
     max_bytes: int = Field(default=64 * 1024 * 1024, ge=1024)
     # Rotated copies kept; older ones are deleted.

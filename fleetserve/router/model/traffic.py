@@ -7,8 +7,10 @@ turns recorded prompts into battles and ``fleetserve router calibrate --records`
 them. Tenants are recorded only as an unsalted sha256 prefix of their name: enough to join
 feedback to its request, not enough to print who sent what.
 
-Writing goes through ``logging.handlers.RotatingFileHandler``, which rotates by size
-(``traffic.jsonl``, ``traffic.jsonl.1``, ...) and is safe across the ingress's threads.
+Each ingress process writes its own file in the recording folder (``routed-<host>-<pid>.jsonl``), so
+several ingress replicas never rotate one another's files. Writing goes through
+``logging.handlers.RotatingFileHandler``, which rotates by size (``.jsonl.1``, ``.jsonl.2``, ...) and is
+safe across the ingress's threads. Readers take the folder (every process's files) or one file.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import hashlib
 import json
 import logging
 import logging.handlers
+import os
+import socket
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
@@ -66,17 +70,19 @@ class FeedbackRecord:
 
 
 class TrafficRecorder:
-    """Appends records to a size-rotated JSONL file.
+    """Appends records to this process's size-rotated JSONL file in a folder.
 
     Args:
-        path: the live file; rotated copies get ``.1``, ``.2``, ... suffixes.
+        directory: the recording folder.
         max_bytes: size at which the live file is rotated.
         num_backups: rotated copies kept; older ones are deleted.
+        name: the live file's name; by default ``routed-<host>-<pid>.jsonl``, one per process.
     """
 
-    def __init__(self, path: str | Path, max_bytes: int, num_backups: int) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+    def __init__(self, directory: str | Path, max_bytes: int, num_backups: int, name: str | None = None) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.path = directory / (name or f"routed-{socket.gethostname()}-{os.getpid()}.jsonl")
         self._handler = logging.handlers.RotatingFileHandler(self.path, maxBytes=max_bytes, backupCount=num_backups,
                                                              encoding="utf-8")
         self._handler.setFormatter(logging.Formatter("%(message)s"))
@@ -104,15 +110,16 @@ class TrafficRecorder:
 
 
 def record_files(path: str | Path) -> list[Path]:
-    """The live file and its rotated copies, oldest first."""
+    """The files to read: a live file and its rotated copies (oldest first), or a folder's, per live file."""
     path = Path(path)
-    rotated = sorted(path.parent.glob(f"{path.name}.*"), key=lambda p: int(p.suffix[1:]) if p.suffix[1:].isdigit()
-                     else -1, reverse=True)
-    return [p for p in rotated if p.suffix[1:].isdigit()] + ([path] if path.exists() else [])
+    if path.is_dir():
+        return [file for live in sorted(path.glob("*.jsonl")) for file in record_files(live)]
+    rotated = [p for p in path.parent.glob(f"{path.name}.*") if p.suffix[1:].isdigit()]
+    return sorted(rotated, key=lambda p: int(p.suffix[1:]), reverse=True) + ([path] if path.exists() else [])
 
 
 def read_records(path: str | Path) -> Iterator[RouteRecord | FeedbackRecord]:
-    """Every record in the live file and its rotated copies, oldest first.
+    """Every record of a recording folder, or of one live file and its rotated copies, oldest first per file.
 
     Raises:
         ValueError: naming the file and line of a record that is not one of ours.
