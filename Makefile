@@ -14,11 +14,11 @@ PYTEST_ARGS ?=
 serve: $(STAMPS)/install
 	$(BIN)/fleetserve serve $(CONFIG)
 
-# Everything: the architecture's import contracts, then every test, real engines included (~33 min on 2 cores).
+# Everything: the architecture's import contracts, then every test, real engines included (~43 min on 2 cores).
 test: $(STAMPS)/install $(STAMPS)/system lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-# The unit tests only (no Ray, no vLLM engine; under a minute): the inner loop.
+# The unit tests only (no Ray, no vLLM engine; about two minutes): the inner loop.
 test-fast: $(STAMPS)/install lint-imports
 	$(BIN)/python -m pytest -m "not slow" $(PYTEST_ARGS)
 

@@ -67,14 +67,21 @@ class Served:
         return self.handles[model].stats.remote().result()
 
     def wait_idle(self, model: str, timeout_s: float = 30.0) -> EngineStats:
-        """Polls the engine until nothing runs or waits; returns the idle stats (or the last seen)."""
+        """Polls the engine until nothing runs or waits and its counters have settled; returns those stats
+        (or the last seen).
+
+        Settled means two polls 0.2 s apart agree on the finished-request and generated-token counts: a
+        request of an earlier test can leave the scheduler before its finish reaches the stat logger.
+        """
         deadline = time.monotonic() + timeout_s
-        stats = self.stats(model)
+        previous, stats = None, self.stats(model)
         while time.monotonic() < deadline:
-            if stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0:
+            idle = stats.num_running == 0 and stats.num_waiting == 0 and stats.kv_cache_usage == 0.0
+            if idle and previous is not None and (previous.num_finished, previous.num_generation_tokens) == (
+                    stats.num_finished, stats.num_generation_tokens):
                 return stats
             time.sleep(0.2)
-            stats = self.stats(model)
+            previous, stats = (stats if idle else None), self.stats(model)
         return stats
 
 

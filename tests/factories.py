@@ -18,6 +18,22 @@ def synthetic_correctness(num_prompts: int = 40, hard_every: int = 4) -> Correct
     return CorrectnessTable(prompts, ["weak-model", "strong-model"], correct)
 
 
+# A hard and an easy prompt in synthetic_correctness()'s words.
+HARD_PROMPT = "prove this difficult theorem rigorously case 0"
+EASY_PROMPT = "say hello politely case 1"
+
+
+def calibrated_classifier(strong_fraction: float = 0.25) -> Any:
+    """A hashing-256 classifier trained on synthetic_correctness() and calibrated on its prompts."""
+    from fleetserve.router.model.embedders import make_embedder
+    from fleetserve.router.model.quality_router import train_router
+
+    data = synthetic_correctness()
+    router = train_router("classifier", data, make_embedder("hashing-256"))
+    router.calibrate(data.prompts, strong_fraction)
+    return router
+
+
 MiB = 1024 * 1024
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import numpy as np
 import pytest
-from factories import synthetic_correctness
+from factories import EASY_PROMPT, HARD_PROMPT, calibrated_classifier, synthetic_correctness
 
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.model_clients import LocalModelClient
@@ -16,16 +16,12 @@ from fleetserve.router.model.routes import RouteError, RouteTable, routing_text
 from fleetserve.router.model.quality_router import train_router
 from fleetserve.router.model.routing_data import CorrectnessTable
 
-HARD = "prove this difficult theorem rigorously case 0"
-EASY = "say hello politely case 1"
+HARD, EASY = HARD_PROMPT, EASY_PROMPT
 
 
 @pytest.fixture(scope="module")
 def classifier():
-    data = synthetic_correctness()
-    router = train_router("classifier", data, make_embedder("hashing-256"))
-    router.calibrate(data.prompts, 0.25)
-    return router
+    return calibrated_classifier(0.25)
 
 
 def table(classifier, **routing) -> RouteTable:

@@ -6,29 +6,23 @@ import json
 
 import httpx
 import pytest
-from factories import synthetic_correctness
+from factories import EASY_PROMPT, HARD_PROMPT, calibrated_classifier
 
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.model_clients import LocalModelClient
 from fleetserve.deployments.ingress.security import FrontDoor, hash_key
 from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.platform.config import AuthConfig, ModelConfig, ModelRoutingConfig
-from fleetserve.router.model.embedders import make_embedder
-from fleetserve.router.model.quality_router import train_router
 from fleetserve.router.model.routes import RouteTable
 from fleetserve.router.model.traffic import FeedbackRecord, RouteRecord, TrafficRecorder, read_records, tenant_hash
 
 KEYS = {"alpha": "sk-alpha-0001", "beta": "sk-beta-0002"}
-HARD = "prove this difficult theorem rigorously case 0"
-EASY = "say hello politely case 1"
+HARD, EASY = HARD_PROMPT, EASY_PROMPT
 
 
 @pytest.fixture(scope="module")
 def classifier():
-    data = synthetic_correctness()
-    router = train_router("classifier", data, make_embedder("hashing-256"))
-    router.calibrate(data.prompts, 0.25)
-    return router
+    return calibrated_classifier(0.25)
 
 
 def ingress(fake_engine_cls, classifier, recording, auth=True) -> OpenAIIngress:

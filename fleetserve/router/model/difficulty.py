@@ -11,12 +11,9 @@ the vector means the same on every platform's traffic.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
-from functools import lru_cache
-
 import numpy as np
 
-from fleetserve.router.model.embedders import CACHE_SIZE
+from fleetserve.router.model.embedders import RowEmbedder
 
 # A multiple-choice option line ("\nA. ..."); text before the first one is the question.
 _OPTION = re.compile(r"\n([A-J])[.)] ")
@@ -68,22 +65,17 @@ def difficulty_features(text: str) -> list[float]:
     ]
 
 
-class DifficultyEmbedder:
+class DifficultyEmbedder(RowEmbedder):
     """Hand-written difficulty features (no model, no torch); rows are not L2-normalised."""
 
     normalized = False
 
     def __init__(self) -> None:
+        super().__init__()
         self.dim = len(FEATURE_NAMES)
         self.spec = "difficulty-v1"
-        self.embed_one = lru_cache(maxsize=CACHE_SIZE)(self._embed_uncached)
 
     def _embed_uncached(self, text: str) -> np.ndarray:
         vector = np.asarray(difficulty_features(text), dtype=np.float32)
         vector.flags.writeable = False
         return vector
-
-    def embed(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
-        if not texts:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        return np.stack([self._embed_uncached(text) for text in texts])

@@ -47,15 +47,32 @@ def _normalize(rows: np.ndarray) -> np.ndarray:
     return (rows / np.maximum(norms, 1e-12)).astype(np.float32)
 
 
-class HashingEmbedder:
+class RowEmbedder:
+    """An embedder that computes one text at a time (nothing to gain from batching), with the LRU cache."""
+
+    dim: int
+
+    def __init__(self) -> None:
+        self.embed_one = lru_cache(maxsize=CACHE_SIZE)(self._embed_uncached)
+
+    def _embed_uncached(self, text: str) -> np.ndarray:
+        raise NotImplementedError
+
+    def embed(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        return np.stack([self._embed_uncached(text) for text in texts])
+
+
+class HashingEmbedder(RowEmbedder):
     """Signed feature hashing of lower-cased word unigrams and bigrams (no model, no torch)."""
 
     normalized = True
 
     def __init__(self, dim: int = 1024) -> None:
+        super().__init__()
         self.dim = dim
         self.spec = f"hashing-{dim}"
-        self.embed_one = lru_cache(maxsize=CACHE_SIZE)(self._embed_uncached)
 
     def _embed_uncached(self, text: str) -> np.ndarray:
         vector = np.zeros(self.dim, dtype=np.float32)
@@ -67,11 +84,6 @@ class HashingEmbedder:
         vector = _normalize(vector[None, :])[0]
         vector.flags.writeable = False
         return vector
-
-    def embed(self, texts: Sequence[str], progress: bool = False) -> np.ndarray:
-        if not texts:
-            return np.zeros((0, self.dim), dtype=np.float32)
-        return np.stack([self._embed_uncached(text) for text in texts])
 
 
 class MiniLMEmbedder:
