@@ -168,7 +168,9 @@ def test_max_tokens_past_the_context_is_clamped_as_vllm_does(served):
 def test_client_disconnect_frees_the_request(served, model):
     before = served.wait_idle(model)
     with httpx.stream("POST", f"{served.api_url}/completions", timeout=60, json={
-            "model": model, "prompt": "Tell me a long story.", "max_tokens": 400, "ignore_eos": True,
+            # 1000 tokens: on a quiet machine the tiny model makes 400 (the old figure) in about as long as
+            # the disconnect takes to reach the engine through Serve's proxy, so it sometimes finished first.
+            "model": model, "prompt": "Tell me a long story.", "max_tokens": 1000, "ignore_eos": True,
             "stream": True}) as response:
         assert response.status_code == 200
         for index, _ in enumerate(response.iter_lines()):
@@ -178,5 +180,5 @@ def test_client_disconnect_frees_the_request(served, model):
     assert (after.num_running, after.num_waiting, after.kv_cache_usage) == (0, 0, before.kv_cache_usage)
     # Aborted, not finished: vLLM counts only requests that reached a stop condition or max_tokens.
     assert after.num_finished == before.num_finished
-    # The engine stopped early: far fewer than the 400 tokens asked for were generated.
-    assert after.num_generation_tokens - before.num_generation_tokens < 200
+    # The engine stopped early: far fewer than the 1000 tokens asked for were generated.
+    assert after.num_generation_tokens - before.num_generation_tokens < 500

@@ -1,0 +1,84 @@
+"""`/v1/embeddings` through fleetserve on a pooling model: vLLM's own embeddings endpoint, checked
+against the same weights run by transformers."""
+
+from __future__ import annotations
+
+import base64
+
+import httpx
+import numpy as np
+import pytest
+from factories import model_entry
+
+from fleetserve.platform.config import parse_config
+
+pytestmark = pytest.mark.slow
+TEXTS = ["the cat sat on the mat", "a completely different sentence about ships"]
+
+
+@pytest.fixture(scope="module")
+def embed_app(served):
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+
+    # The tiny Llama run as an embedding model: vLLM's pooling runner, last-token pooling, normalised.
+    entry = model_entry("embed", extra={"runner": "pooling", "convert": "embed"})
+    config = parse_config({"models": [{**entry, "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]}}]})
+    serve.run(build_app(config), name="embed", route_prefix="/embed")
+    yield f"{served.base_url}/embed"
+    serve.delete("embed")
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}{path}", json=body, timeout=120)
+
+
+def reference_embedding(token_ids: list[int]) -> np.ndarray:
+    """The last token's final hidden state, L2-normalised, from transformers on the same weights."""
+    import torch
+    from transformers import AutoModel
+
+    from fleetserve.platform.model_store import tiny_random_llama
+
+    model = AutoModel.from_pretrained(tiny_random_llama(), torch_dtype=torch.float32)
+    with torch.inference_mode():
+        hidden = model(input_ids=torch.tensor([token_ids])).last_hidden_state[0, -1]
+    return torch.nn.functional.normalize(hidden, dim=0).numpy()
+
+
+def test_embeddings_equal_the_same_weights_run_by_transformers(embed_app):
+    response = post(embed_app, "/v1/embeddings", {"model": "embed", "input": TEXTS})
+    assert response.status_code == 200, response.text
+    body = response.json()
+    assert [item["index"] for item in body["data"]] == [0, 1]
+    num_tokens = 0
+    for text, item in zip(TEXTS, body["data"]):
+        token_ids = post(embed_app, "/tokenize", {"model": "embed", "prompt": text}).json()["tokens"]
+        num_tokens += len(token_ids)
+        vector = np.array(item["embedding"], dtype=np.float32)
+        assert np.linalg.norm(vector) == pytest.approx(1.0, abs=1e-5)
+        np.testing.assert_allclose(vector, reference_embedding(token_ids), atol=1e-4)
+    assert body["usage"]["prompt_tokens"] == num_tokens
+
+
+def test_base64_encoding_carries_the_same_floats(embed_app):
+    floats = post(embed_app, "/v1/embeddings", {"model": "embed", "input": TEXTS[0]}).json()["data"][0]["embedding"]
+    response = post(embed_app, "/v1/embeddings", {"model": "embed", "input": TEXTS[0], "encoding_format": "base64"})
+    assert response.status_code == 200, response.text
+    decoded = np.frombuffer(base64.b64decode(response.json()["data"][0]["embedding"]), dtype=np.float32)
+    np.testing.assert_array_equal(decoded, np.array(floats, dtype=np.float32))
+
+
+def test_an_embeddings_field_vllm_would_ignore_is_refused(embed_app):
+    response = post(embed_app, "/v1/embeddings", {"model": "embed", "input": "x", "truncation": "auto"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "truncation" and error["code"] == "unsupported_parameter"
+
+
+def test_a_generation_endpoint_on_an_embedding_model_is_a_404_naming_it(embed_app):
+    response = post(embed_app, "/v1/chat/completions", {"model": "embed",
+                                                        "messages": [{"role": "user", "content": "hi"}]})
+    assert response.status_code == 404
+    assert "does not serve /v1/chat/completions" in response.json()["error"]["message"]
