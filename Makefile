@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 serve: $(STAMPS)/install
 	$(BIN)/fleetserve serve $(CONFIG)
 
-# Everything: the architecture's import contracts, then every test, real engines included (~43 min on 2 cores).
+# Everything: the architecture's import contracts, then every test, real engines included (~36 min on 2 cores).
 test: $(STAMPS)/install $(STAMPS)/system lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
