@@ -175,31 +175,32 @@ def label_traffic(
     names = [name.strip() for name in models.split(",") if name.strip()]
     if len(names) != 2 or names[0] == names[1]:
         raise fail(f"--models needs two different served models, cheap first; got {models!r}")
-    client = ChatClient(url, api_key, max_tokens)
+    exact = None
     if scorer == "exact":
         if answers is None:
             raise fail("the exact scorer needs --answers (JSONL of prompt and answer)")
         try:
-            chosen_scorer = ExactMatchScorer.from_jsonl(answers)
+            exact = ExactMatchScorer.from_jsonl(answers)
         except (OSError, LabelError) as error:
             raise fail(str(error)) from None
     elif scorer == "judge":
         if judge_model is None:
             raise fail("the judge scorer needs --judge-model (a served model)")
-        chosen_scorer = JudgeScorer(client, judge_model)
     else:
         raise fail(f"unknown scorer {scorer!r}; expected exact or judge")
     try:
         prompts = recorded_prompts(records, route)
     except ValueError as error:
         raise fail(str(error)) from None
-    if isinstance(chosen_scorer, ExactMatchScorer):
-        prompts = [p for p in prompts if p in chosen_scorer.answers]  # no calls for prompts it cannot score
+    if exact is not None:
+        prompts = [p for p in prompts if p in exact.answers]  # no calls for prompts it cannot score
     sample = sample_prompts(prompts, num_prompts, seed)
     if not sample:
         raise fail(f"{records}: no recorded prompts to label" + (" with known answers" if scorer == "exact" else ""))
     console.print(f"labelling {len(sample)} of {len(prompts)} recorded prompts: {names[0]} vs {names[1]}, "
                   f"scorer {scorer}")
+    client = ChatClient(url, api_key, max_tokens)
+    chosen_scorer = exact if exact is not None else JudgeScorer(client, judge_model)
     with Progress(console=console) as progress:
         task = progress.add_task("battles", total=len(sample))
         try:

@@ -7,12 +7,15 @@ calibration drift. Recorded traffic goes to ``model_routing.recording`` for tena
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Executor
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.protocol import APIError
+from fleetserve.deployments.ingress.security import FrontDoor
 from fleetserve.router.model.routes import RouteChoice, RouteTable
 from fleetserve.router.model.traffic import TrafficRecorder
 
@@ -44,16 +47,25 @@ class RouteLedger:
     Args:
         routes: the routed names this ingress serves.
         metrics: where the strong share and its target are shown.
-        recording_tenants: tenants whose prompts are recorded (ANONYMOUS when auth is off and the
-            recording config asks for it).
+        front_door: the tenants, whose ``record_routed_prompts`` opts them in; None (auth off) records
+            everything as ANONYMOUS when the recording config asks for it.
+        executor: the thread that writes records, so file I/O never runs on the event loop.
     """
 
-    def __init__(self, routes: RouteTable, metrics: IngressMetrics, recording_tenants: set[str]) -> None:
+    def __init__(self, routes: RouteTable, metrics: IngressMetrics, front_door: FrontDoor | None,
+                 executor: Executor) -> None:
         self.metrics = metrics
+        self._executor = executor
         recording = routes.config.recording
         self.recorder = (TrafficRecorder(recording.directory, recording.max_bytes, recording.num_backups)
                          if recording is not None else None)
-        self.recording_tenants = recording_tenants if self.recorder is not None else set()
+        if self.recorder is None:
+            self.recording_tenants: set[str] = set()
+        elif front_door is not None:
+            self.recording_tenants = {name for name, spec in front_door.limiter.tenants.items()
+                                      if spec.record_routed_prompts}
+        else:
+            self.recording_tenants = {ANONYMOUS} if recording.anonymous else set()
         self._counts: dict[str, list[int]] = {}
         for spec in routes.config.routes:
             if spec.strong_fraction is not None:
@@ -63,7 +75,10 @@ class RouteLedger:
         """Whether this caller's routed prompts are recorded."""
         return (tenant or ANONYMOUS) in self.recording_tenants
 
-    def on_decision(self, choice: RouteChoice, request_id: str, tenant: str | None, text: str) -> None:
+    async def _write(self, write, *args) -> None:
+        await asyncio.get_running_loop().run_in_executor(self._executor, write, *args)
+
+    async def on_decision(self, choice: RouteChoice, request_id: str, tenant: str | None, text: str) -> None:
         """Counts one routing decision, and records it when the tenant opted in."""
         strongest = choice.model == choice.strongest_model
         counts = self._counts.setdefault(choice.route, [0, 0])
@@ -71,10 +86,10 @@ class RouteLedger:
         counts[1] += 1
         self.metrics.route_strong_share.labels(choice.route).set(counts[0] / counts[1])
         if self.records(tenant):
-            self.recorder.record_route(request_id, tenant or ANONYMOUS, choice.route, text, choice.model,
-                                       choice.tier_index, strongest, choice.win_rate, choice.reason.value)
+            await self._write(self.recorder.record_route, request_id, tenant or ANONYMOUS, choice.route, text,
+                              choice.model, choice.tier_index, strongest, choice.win_rate, choice.reason.value)
 
-    def feedback(self, tenant: str | None, payload: Any) -> dict[str, Any]:
+    async def feedback(self, tenant: str | None, payload: Any) -> dict[str, Any]:
         """Records a feedback body; returns the API's answer.
 
         Raises:
@@ -92,5 +107,5 @@ class RouteLedger:
             raise APIError(f"feedback is recorded only for tenants whose routed prompts are recorded; set {where}",
                            403, "permission_error", code="feedback_not_recorded")
         score = body.score if body.score is not None else THUMBS[body.thumbs]
-        self.recorder.record_feedback(body.request_id, tenant or ANONYMOUS, score)
+        await self._write(self.recorder.record_feedback, body.request_id, tenant or ANONYMOUS, score)
         return {"object": "feedback", "request_id": body.request_id, "score": score}

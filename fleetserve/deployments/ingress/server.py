@@ -48,7 +48,7 @@ from fleetserve.deployments.ingress.adapters import (
 from fleetserve.deployments.ingress.cold_start import ColdStartHold
 from fleetserve.deployments.ingress.limits import LoadSource, WorkLimits, check_request_limits, effective_max_tokens
 from fleetserve.deployments.ingress.model_clients import HandleModelClient, ModelClient
-from fleetserve.deployments.ingress.route_ledger import ANONYMOUS, RouteLedger
+from fleetserve.deployments.ingress.route_ledger import RouteLedger
 from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
 from fleetserve.deployments.ingress.streaming import EventStreamResponse, as_api_error, error_response, relay_stream
@@ -123,12 +123,9 @@ class OpenAIIngress:
                 model.name: {a.name: a.source for a in model.lora.adapters}
                 for model in self.models.values() if model.lora is not None}), {})
         self.adapters = AdapterDirectory(configured, lora_bases, adapter_catalog)
-        self.ledger = None
-        if routes is not None:
-            recording = routes.config.recording
-            tenants = ({name for name, spec in front_door.limiter.tenants.items() if spec.record_routed_prompts}
-                       if front_door is not None else ({ANONYMOUS} if recording and recording.anonymous else set()))
-            self.ledger = RouteLedger(routes, self.platform_metrics, tenants)
+        # Records are written on the router's thread: in order, and never on the event loop.
+        self.ledger = (RouteLedger(routes, self.platform_metrics, front_door, self._route_executor)
+                       if routes is not None else None)
         if front_door is None:
             logger.warning("AUTH IS OFF: this endpoint serves anyone who can reach it, with no rate limits. "
                            "Add `auth:` to the platform config to require API keys.")
@@ -239,7 +236,7 @@ class OpenAIIngress:
                                "not_found_error", code="not_found")
             principal = getattr(raw.state, "principal", None)
             payload = parse_body(await read_body(raw, self.limits.max_body_bytes))
-            return self.ledger.feedback(principal.tenant if principal is not None else None, payload)
+            return await self.ledger.feedback(principal.tenant if principal is not None else None, payload)
 
         for endpoint in Endpoint:
             app.add_api_route(endpoint.value, self._endpoint_handler(endpoint), methods=["POST"],
@@ -447,7 +444,7 @@ class OpenAIIngress:
         assigned = request_id is not None
         request_id = request_id or new_id("req")
         if choice is not None:
-            self.ledger.on_decision(choice, request_id, tenant, routed_text)
+            await self.ledger.on_decision(choice, request_id, tenant, routed_text)
         forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body, self._priority(model, tenant))
         base = self._base(model)
         hints = fields.routing_hints(session_id, adapter=model if base != model else None)

@@ -23,14 +23,25 @@ class DomainParams:
     seed: int = 0
 
 
-def nearest_distances(x: np.ndarray, support: np.ndarray, exclude_self: bool = False) -> np.ndarray:
+def squared_norms(support: np.ndarray) -> np.ndarray:
+    """Each support row's squared length, float32: computed once per router, used by every distance."""
+    support = np.ascontiguousarray(support, dtype=np.float32)
+    return np.einsum("md,md->m", support, support)
+
+
+def nearest_distances(x: np.ndarray, support: np.ndarray, exclude_self: bool = False,
+                      support_norms: np.ndarray | None = None) -> np.ndarray:
     """Euclidean distance from each row of ``x`` to its nearest support row, float64.
 
     One matrix-vector product per row (float32), so a prompt gets the same distance alone in serving
     as in a batch, and a decision costs about a millisecond for 4096 supports of 1024 dimensions.
+
+    Args:
+        support_norms: ``squared_norms(support)``, when the caller keeps it.
     """
     support = np.ascontiguousarray(support, dtype=np.float32)
-    support_norms = np.einsum("md,md->m", support, support)
+    if support_norms is None:
+        support_norms = squared_norms(support)
     distances = np.empty(len(x))
     for i, row in enumerate(np.asarray(x, dtype=np.float32)):
         squared = float(row @ row) + support_norms - 2.0 * (support @ row)

@@ -31,7 +31,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from fleetserve.router.model.domain import DomainParams, fit_domain, nearest_distances
+from fleetserve.router.model.domain import DomainParams, fit_domain, nearest_distances, squared_norms
 from fleetserve.router.model.embedders import Embedder, make_embedder
 from fleetserve.router.model.evaluation import strong_fraction_at, threshold_for_strong_fraction
 from fleetserve.router.model.knn import KnnParams, knn_points, knn_weights
@@ -73,6 +73,8 @@ class CostQualityRouter:
     embedder: Embedder | None = None
     weights: dict[str, np.ndarray] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    # squared_norms of weights["domain_support"], computed on the first distance asked for.
+    _support_norms: np.ndarray | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def strong(self) -> str:
@@ -152,7 +154,10 @@ class CostQualityRouter:
             raise ValueError(f"the {self.kind} router keeps no training inputs to measure distance against")
         if embeddings is None:
             embeddings = self.embedder.embed(prompts)
-        return nearest_distances(self.inputs(embeddings), self.weights["domain_support"])
+        support = self.weights["domain_support"]
+        if self._support_norms is None:
+            self._support_norms = squared_norms(support)
+        return nearest_distances(self.inputs(embeddings), support, support_norms=self._support_norms)
 
     def domain_distance(self, prompt: str) -> float:
         """One prompt's distance to the training inputs, with the embedding from the LRU cache."""
