@@ -218,32 +218,39 @@ def test_replica_crash_under_load_retries_unstarted_requests_and_recovers(guarde
 
     async def load_with_crash() -> tuple:
         # 48 requests at once: the engines' 2 x 16 slots plus the 2 x 8 the queue floor admits. Each replica
-        # runs 16 and queues 8 for seconds, so the crash lands while some stream and others wait.
+        # runs 16 and queues 8 for the first wave's 256 tokens (seconds: a gauge a publish period old still
+        # shows it), so the crash lands while some stream and others wait.
         config = BenchConfig(base_url=guarded.base_url, model=MODEL, ignore_eos=True, timeout_s=120)
-        bench = asyncio.ensure_future(run_benchmark(config, specs(NUM_CRASH_REQUESTS, input_words=256,
-                                                                  max_tokens=96)))
-        # Kill once the victim has requests queued in its engine: those have no output yet, so the ingress must
-        # send them again. (A fixed delay sometimes landed when all of them were already streaming.)
+        bench = asyncio.ensure_future(run_benchmark(config, specs(NUM_CRASH_REQUESTS, input_words=128,
+                                                                  max_tokens=256)))
+        # Kill once the victim holds more requests than its engine has slots: those beyond the slots wait for a
+        # whole wave to finish and have no output yet, so the ingress must send them again. (The gauges are up
+        # to a publish period old: with a short first wave, a kill on waiting alone could land once every
+        # request left had a slot and streamed, and a CI run saw 8 failed and none to retry.)
         victim_id = victims[0].rsplit("#", 1)[-1]
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             gauges = await asyncio.get_running_loop().run_in_executor(None, engine_gauges, guarded.base_url, MODEL)
-            if any(replica == victim_id and values.get("waiting", 0) > 0 for (_, replica), values in gauges.items()):
+            if any(replica == victim_id and values.get("waiting", 0) > 0
+                   and values.get("running", 0) + values.get("waiting", 0) > MAX_NUM_SEQS
+                   for (_, replica), values in gauges.items()):
                 break
             if bench.done():  # the load ended before the victim queued anything: say how it ended
                 outcome = bench.result()
-                raise AssertionError(f"the load finished before {victim_id} had waiting requests: "
+                raise AssertionError(f"the load finished before {victim_id} held more requests than slots: "
                                      f"{outcome.metrics['completed']} completed, statuses "
                                      f"{sorted({r.status_code for r in outcome.records})}, errors "
                                      f"{[r.error for r in outcome.records if not r.ok][:3]}; gauges {gauges}")
             await asyncio.sleep(0.1)
         else:
-            raise AssertionError(f"replica {victim_id} never had waiting requests in 30 s: {gauges}")
+            raise AssertionError(f"replica {victim_id} never held more requests than slots in 30 s: {gauges}")
+        print(f"killing {victim_id} at {gauges}")
         killed_at = time.monotonic()
         await asyncio.get_running_loop().run_in_executor(None, kill, victims[0])
-        return await bench, killed_at
+        victim_running = next(values["running"] for (_, replica), values in gauges.items() if replica == victim_id)
+        return await bench, killed_at, victim_running
 
-    result, killed_at = asyncio.run(load_with_crash())
+    result, killed_at, victim_running = asyncio.run(load_with_crash())
     # Recovered: Serve has replaced the victim and the app reports healthy.
     deadline = killed_at + 180
     while time.monotonic() < deadline:
@@ -265,8 +272,10 @@ def test_replica_crash_under_load_retries_unstarted_requests_and_recovers(guarde
                if not record.refused and "engine is unavailable" not in (record.error or "")}
     assert not unclear, unclear
     assert all(record.retry_after is not None for record in failures if record.refused)
-    # Requests the victim had not started were sent again rather than failed.
+    # Requests the victim had not started were sent again rather than failed: only those it was running can
+    # fail.
     assert retries >= 1
+    assert len(failures) <= victim_running
     assert result.metrics["completed"] >= NUM_CRASH_REQUESTS // 2
     # Serve replaced the replica, and both serve again.
     assert recovery_s < 180 and victims[0] not in replica_actors(DEPLOYMENT)
