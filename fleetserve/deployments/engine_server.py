@@ -87,7 +87,7 @@ class EngineServer:
         body = self.request_check.refusal(request.endpoint, request.body)
         if body is None:
             return None
-        return ReplicaChunk(body, head=ResponseHead(400, "application/json", self.replica_id, started_at))
+        return ReplicaChunk(body, head=ResponseHead(400, "application/json", self.replica_id, started_at), final=True)
 
     async def _serving_app(self) -> Any:
         """vLLM's app, ready to serve (the Serve replica also waits for its adapters to sync)."""

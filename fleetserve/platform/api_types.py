@@ -107,6 +107,9 @@ class ReplicaChunk:
     head: ResponseHead | None = None
     # On the last chunk, when the response carried usage.
     usage: TokenUsage | None = None
+    # Whether this is the replica's last chunk of the response: a stream that ends without one was cut off,
+    # however it ended, and is never passed on as a complete response.
+    final: bool = False
 
 
 def usage_from(payload: dict[str, Any]) -> TokenUsage | None:

@@ -41,7 +41,8 @@ async def relay(events: AsyncIterator[AppStart | bytes], head: ResponseHead,
     """The replica chunks of one response.
 
     The first chunk waits for the first body bytes, so an ingress that has it knows the replica started
-    streaming (a replica that dies before then can be retried). A final chunk carries the usage.
+    streaming (a replica that dies before then can be retried). A last chunk, marked final, carries the
+    usage.
 
     Args:
         events: ``call_app``'s output.
@@ -73,5 +74,4 @@ async def relay(events: AsyncIterator[AppStart | bytes], head: ResponseHead,
             usage = usage_from(json.loads(body))
         except ValueError:
             usage = None
-    if usage is not None:
-        yield ReplicaChunk(b"", usage=usage)
+    yield ReplicaChunk(b"", usage=usage, final=True)

@@ -83,12 +83,14 @@ async def test_request_without_progress_is_aborted_and_reported(fake_engine_cls)
 
 class FlakyClient:
     """Reaches a fake engine server, but the first ``num_failures`` calls fail the way a dead replica does,
-    ``after_chunks`` chunks into the stream."""
+    ``after_chunks`` chunks into the stream: with ActorDiedError, or (``cut_off``) by ending the stream without
+    an error, as Ray can for an actor on a lost node."""
 
-    def __init__(self, server: EngineServer, num_failures: int, after_chunks: int = 0) -> None:
+    def __init__(self, server: EngineServer, num_failures: int, after_chunks: int = 0, cut_off: bool = False) -> None:
         self.server = server
         self.num_failures = num_failures
         self.after_chunks = after_chunks
+        self.cut_off = cut_off
         self.num_calls = 0
 
     async def forward(self, request):
@@ -99,6 +101,8 @@ class FlakyClient:
         index = 0
         async for chunk in self.server.forward(request):
             if failing and index == self.after_chunks:
+                if self.cut_off:
+                    return
                 raise ActorDiedError()
             index += 1
             yield chunk
@@ -107,9 +111,9 @@ class FlakyClient:
         return None
 
 
-def flaky_ingress(fake_engine_cls, num_failures: int, after_chunks: int = 0, **limits):
+def flaky_ingress(fake_engine_cls, num_failures: int, after_chunks: int = 0, cut_off: bool = False, **limits):
     server = EngineServer(ModelConfig(name="fake", source="unused"), engine_cls=fake_engine_cls, model_path="/unused")
-    client = FlakyClient(server, num_failures, after_chunks)
+    client = FlakyClient(server, num_failures, after_chunks, cut_off)
     return OpenAIIngress({"fake": client}, limits=LimitsConfig(**limits)), client
 
 
@@ -141,6 +145,36 @@ async def test_replica_dying_mid_stream_is_not_retried(fake_engine_cls):
     # Two chunks reached the client; output cannot be unsent, so the stream ends with an error event.
     assert response.status_code == 200 and client.num_calls == 1
     assert response.text.count('"text"') == 2 and '"code":"engine_unavailable"' in response.text
+
+
+async def test_a_stream_cut_off_mid_response_ends_with_an_error_event(fake_engine_cls):
+    app, client = flaky_ingress(fake_engine_cls, num_failures=1, after_chunks=2, cut_off=True)
+    client.server.engine.token_interval_s = 0.05
+    async with http(app) as http_client:
+        response = await http_client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 5,
+                                                                    "stream": True})
+    # Two chunks, then the stream ended with no final chunk: an error event, never a silent truncation.
+    assert response.status_code == 200 and client.num_calls == 1
+    assert response.text.count('"text"') == 2 and '"code":"engine_unavailable"' in response.text
+    assert response.text.endswith("data: [DONE]\n\n") and app.in_flight == {"fake": 0}
+
+
+async def test_a_response_cut_off_is_a_503_not_a_partial_body(fake_engine_cls):
+    app, client = flaky_ingress(fake_engine_cls, num_failures=1, after_chunks=1, cut_off=True)
+    client.server.engine.token_interval_s = 0.05
+    async with http(app) as http_client:
+        response = await http_client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 5})
+    assert (response.status_code, response.json()["error"]["code"]) == (503, "engine_unavailable")
+
+
+async def test_a_stream_cut_off_before_any_output_is_retried(fake_engine_cls):
+    app, client = flaky_ingress(fake_engine_cls, num_failures=1, after_chunks=0, cut_off=True)
+    async with http(app) as http_client:
+        response = await http_client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 3})
+    # The first call ended with nothing at all; the second, on a live replica, answered.
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "w0 w1 w2"
+    assert client.num_calls == 2
+    assert 'fleetserve_engine_retries_total{model="fake"} 1.0' in app.platform_metrics.exposition().decode()
 
 
 @pytest.mark.parametrize("failure", ["send_fails", "client_disconnects"])

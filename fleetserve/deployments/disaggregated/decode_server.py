@@ -187,7 +187,8 @@ class DecodeServer(EngineServer):
         prefill = await self._remote_prefill(request, payload)
         if prefill.error_status is not None:
             yield ReplicaChunk(prefill.error_body, head=ResponseHead(
-                prefill.error_status, "application/json", self.replica_id, started_at, prefill.replica_id))
+                prefill.error_status, "application/json", self.replica_id, started_at, prefill.replica_id),
+                final=True)
             return
         body = json.dumps({**payload, "kv_transfer_params": prefill.kv_transfer_params}).encode()
         async for chunk in self._run(request, body, started_at, prefill.replica_id):

@@ -51,7 +51,8 @@ from fleetserve.deployments.ingress.model_clients import HandleModelClient, Mode
 from fleetserve.deployments.ingress.route_ledger import RouteLedger
 from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
-from fleetserve.deployments.ingress.streaming import EventStreamResponse, as_api_error, error_response, relay_stream
+from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_api_error, cut_off_error, error_response,
+                                                     relay_stream, until_final)
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig, PlatformConfig
@@ -453,6 +454,7 @@ class OpenAIIngress:
             share = self.front_door.share(tenant) if tenant is not None else None
             self.work.admit(base, tenant, share, batch=tenant is not None and self.front_door.is_batch(tenant))
         stream, first = await self._start(base, client, request, tenant)
+        stream = until_final(first, stream)
         head = first.head
         headers = {HEADER_MODEL: model, HEADER_REPLICA: head.replica_id, HEADER_POOL: self._pool_of(model)}
         if not assigned:  # a proxy that assigned the id also returns it; a second header would join the two
@@ -524,12 +526,12 @@ class OpenAIIngress:
             stream = self.work.guarded(model, client.forward(request), tenant, first_chunk)
             try:
                 return stream, await anext(stream)
-            except StopAsyncIteration:
-                raise APIError("the engine returned no output", 500, "internal_error") from None
+            except StopAsyncIteration:  # ended with no chunk at all, not even a head: cut off
+                api_error = cut_off_error()
             except Exception as error:  # noqa: BLE001 - every engine failure becomes an API error
                 api_error = as_api_error(error)
-                if api_error.code != "engine_unavailable" or num_retries == self.limits.max_unstarted_retries:
-                    raise api_error from None
+            if api_error.code != "engine_unavailable" or num_retries == self.limits.max_unstarted_retries:
+                raise api_error
             num_retries += 1
             logger.warning("%s: replica failed before streaming (%s); sending it again (retry %d)",
                            request.request_id, api_error.message, num_retries)

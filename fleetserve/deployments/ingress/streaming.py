@@ -37,6 +37,30 @@ def as_api_error(error: BaseException) -> APIError:
     return APIError(f"internal error in the engine: {name}: {cause}", 500, "internal_error")
 
 
+def cut_off_error() -> APIError:
+    """A replica's stream that ended before its final chunk: something between the engine and here broke
+    off, so the error is the one a replica's death gives (and, before any chunk, the request is retried)."""
+    return APIError("the model's engine is unavailable (its replica's stream ended before the response did); "
+                    "retry shortly", 503, "service_unavailable", code="engine_unavailable")
+
+
+async def until_final(first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:
+    """The rest of a replica's response after ``first``.
+
+    Raises:
+        APIError: ``cut_off_error()``, when the stream ends without the replica's final chunk.
+    """
+    final = first.final
+    try:
+        async for chunk in stream:
+            final = chunk.final
+            yield chunk
+    finally:
+        await stream.aclose()  # closing the response early aborts the request in the engine
+    if not final:
+        raise cut_off_error()
+
+
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status_code, headers={**(error.headers or {}), **(headers or {})})
 
