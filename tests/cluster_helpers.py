@@ -1,11 +1,16 @@
-"""Helpers for tests against Serve apps on the suite's Ray cluster: health, replica actors, engine gauges."""
+"""Helpers for tests against Serve apps on the suite's Ray cluster: health, replica actors, engine gauges, a
+shared-prefix routing workload."""
 
 from __future__ import annotations
 
+import random
 import re
 import time
+from collections import defaultdict
 
 import httpx
+
+from fleetserve.loadtest.datasets import PromptMaker, shared_prefix_dataset
 
 # vLLM gauge -> short name, as engine_gauges() reports them.
 GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
@@ -86,3 +91,23 @@ def wait_all_idle(base_url: str, model: str, num_replicas: int,
         if (idle and len(gauges) >= num_replicas) or time.monotonic() > deadline:
             return gauges
         time.sleep(1.0)
+
+
+def send_workload(url: str, model: str) -> tuple[dict[int, set[str]], list[str], float]:
+    """A shared-prefix workload for cache-aware routing: replicas per group, route reasons, engine hit rate."""
+    # 8 groups x 4 requests, sequential so load never overrides affinity. Each prompt: ~400 shared words + 10 own.
+    specs = shared_prefix_dataset(32, num_groups=8, prefix_len=300, suffix_len=10, output_len=2,
+                                  maker=PromptMaker(None, random.Random(0)))
+    replicas_by_group, reasons = defaultdict(set), []
+    prompt_tokens = cached_tokens = 0
+    with httpx.Client(timeout=120) as http:
+        for spec in specs:
+            response = http.post(f"{url}/completions", json={"model": model, "prompt": spec.prompt, "max_tokens": 2})
+            assert response.status_code == 200, response.text
+            replicas_by_group[spec.group_id].add(response.headers["x-fleetserve-replica"])
+            reasons.append(response.headers.get("x-fleetserve-route-reason"))
+            usage = response.json()["usage"]
+            prompt_tokens += usage["prompt_tokens"]
+            cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
+    # The engines' own count: prompt tokens served from their prefix caches.
+    return replicas_by_group, reasons, cached_tokens / prompt_tokens

@@ -39,14 +39,19 @@ def serve(
     host: Annotated[Optional[str], typer.Option(help="Listen address (overrides the config).")] = None,
     port: Annotated[Optional[int], typer.Option(help="Listen port (overrides the config).")] = None,
     verbose: Annotated[bool, typer.Option(help="Stream Ray and vLLM logs to this terminal.")] = False,
+    address: Annotated[Optional[str], typer.Option(
+        help="Join this running Ray cluster (e.g. 10.0.0.1:6379, or auto) instead of starting one here.")] = None,
+    placement_check: Annotated[bool, typer.Option(
+        help="Refuse a config whose replicas fit no node (off for clusters that add nodes on demand).")] = True,
 ) -> None:
-    """Start a local Ray cluster and serve the config's models until Ctrl-C."""
+    """Serve the config's models until Ctrl-C, on a Ray cluster started here or joined with --address."""
     config = _load(config_path)
     host = host or config.server.host
     port = port or config.server.port
 
     from fleetserve.deployments.builders import build_app
-    from fleetserve.deployments.local_run import deploy, start_ray
+    from fleetserve.deployments.local_run import ClusterError, start_ray
+    from fleetserve.deployments.placement import PlacementError
     from fleetserve.platform.model_store import ModelSourceError
     from fleetserve.platform.shm import remove_orphaned_segments
 
@@ -64,18 +69,32 @@ def serve(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     names = ", ".join(model.name for model in config.models)
     try:
-        with start_ray(verbose):
+        with start_ray(verbose, address) as session:
+            if placement_check:
+                _check_placement(config)
             with console.status(f"deploying {names} (engines take ~30-90 s to start on CPU)"):
-                deploy(application, host, port)
+                session.deploy(application, host, port, config.server.proxy_location)
             console.print(f"[bold green]fleetserve ready[/] at http://{host}:{port}/v1  models: {names}")
             console.print("Ctrl-C to stop.")
             print(f"READY http://{host}:{port}/v1", flush=True)
             while not stop.wait(0.5):
                 pass
             console.print("stopping...")
+    except (ClusterError, PlacementError) as error:
+        console.print(f"[red]error:[/] {error}")
+        raise typer.Exit(2 if isinstance(error, PlacementError) else 1) from None
     finally:
         remove_orphaned_segments()
     console.print("[green]stopped cleanly[/]")
+
+
+def _check_placement(config: PlatformConfig) -> None:
+    """Raises PlacementError for replicas that fit no node; says which replicas will wait for resources."""
+    from fleetserve.deployments.placement import require_placement
+
+    report = require_placement(config)
+    for line in report.pending:
+        console.print(f"[yellow]warning:[/] {line}")
 
 
 @app.command()
@@ -83,6 +102,8 @@ def apply(
     config_path: Annotated[Path, typer.Argument(metavar="CONFIG", help="The platform config to apply.")],
     address: Annotated[str, typer.Option(help="The Ray cluster to join (auto: the one on this machine).")] = "auto",
     dry_run: Annotated[bool, typer.Option(help="Print what would change, and change nothing.")] = False,
+    placement_check: Annotated[bool, typer.Option(
+        help="Refuse a config whose replicas fit no node (off for clusters that add nodes on demand).")] = True,
 ) -> None:
     """Change a running platform in place: add or remove models, change replicas or engine args, add adapters.
 
@@ -93,7 +114,9 @@ def apply(
 
     config = _load(config_path)
 
-    from fleetserve.deployments.apply import ClusterError, apply_config, join_cluster, plan_change
+    from fleetserve.deployments.apply import apply_config, plan_change
+    from fleetserve.deployments.local_run import ClusterError, join_cluster
+    from fleetserve.deployments.placement import PlacementError
 
     try:
         join_cluster(address)
@@ -102,7 +125,9 @@ def apply(
         raise typer.Exit(1) from None
     try:
         change = plan_change(config)
-    except ConfigError as error:
+        if placement_check:
+            _check_placement(config)
+    except (ConfigError, PlacementError) as error:
         console.print(f"[red]error:[/] {error}")
         raise typer.Exit(2) from None
     if change.is_empty:

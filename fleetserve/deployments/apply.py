@@ -3,30 +3,12 @@ replicas of every deployment whose version is unchanged and rolling the others."
 
 from __future__ import annotations
 
-import ray
 from ray import serve
 
 from fleetserve.deployments.builders import build_app
 from fleetserve.deployments.local_run import APP_NAME
 from fleetserve.platform.config import ConfigError, PlatformConfig
 from fleetserve.platform.config.diff import ConfigChange, diff_configs
-
-
-class ClusterError(RuntimeError):
-    """No Ray cluster to join; the message says where it looked."""
-
-
-def join_cluster(address: str = "auto") -> None:
-    """Joins the running Ray cluster (``auto``: the one on this machine) as a driver.
-
-    Raises:
-        ClusterError: nothing runs at ``address``.
-    """
-    try:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False, configure_logging=False)
-    except ConnectionError as error:
-        raise ClusterError(f"no Ray cluster at {address!r} ({error}); start the platform with "
-                           f"`fleetserve serve` first") from None
 
 
 def running_config(app_name: str = APP_NAME) -> PlatformConfig:
@@ -52,8 +34,8 @@ def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChang
     """
     change = diff_configs(running_config(app_name), config)
     if "server" in change.sections:
-        raise ConfigError("server: the listening address cannot change while the platform runs; restart "
-                          "`fleetserve serve` to move it")
+        raise ConfigError("server: the listening address and where the ingress runs cannot change while the "
+                          "platform runs; restart `fleetserve serve` to move them")
     return change
 
 

@@ -15,7 +15,8 @@ from fleetserve.deployments.disaggregated.prefill_server import PrefillDeploymen
 from fleetserve.deployments.engine_server import EngineDeployment
 from fleetserve.deployments.ingress.server import IngressDeployment
 from fleetserve.deployments.metrics_hub import MetricsHubDeployment
-from fleetserve.deployments.serve_options import deployment_name, deployment_options, ingress_options
+from fleetserve.deployments.serve_options import (control_actor_options, deployment_name, deployment_options,
+                                                  ingress_options)
 from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, parse_config
 from fleetserve.platform.engine import Engine, plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source
@@ -108,13 +109,15 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
     bindings = cpu_bindings_per_deployment(config)
     adapters = {model.name: {adapter.name: adapter.source for adapter in model.lora.adapters}
                 for model in config.models if model.lora is not None}
-    hub = versioned(MetricsHubDeployment, deployment_version(adapters)).bind(adapters)
+    hub_options = control_actor_options(config.server)
+    hub = versioned(MetricsHubDeployment.options(ray_actor_options=hub_options),
+                    deployment_version(adapters, hub_options)).bind(adapters)
     engines = {}
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None
         engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls)
     # Configs cross .bind() as the validated objects themselves (Ray pickles them), not re-validated dicts.
-    ingress = versioned(IngressDeployment.options(**ingress_options(config.limits)),
+    ingress = versioned(IngressDeployment.options(**ingress_options(config.limits, config.server)),
                         deployment_version(config.model_dump(mode="json")))
     return ingress.bind(engines, hub, {model.name: model for model in config.models}, config.model_routing,
                         config.auth, config.limits, config)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import ray
 from ray import serve
 
 from fleetserve.autoscaler.serve_adapter import autoscaling_metrics
@@ -190,6 +191,7 @@ class ServeReplica:
     def _start_replica_tasks(self, metrics_hub: Any) -> None:
         """Starts publishing metrics, and builds vLLM's app (with the current adapter set) now rather than
         on the first request."""
+        self.metrics.set_node(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         loop = asyncio.get_event_loop()
         self._hub = metrics_hub
         self._app_warmup = loop.create_task(self._warm_up())

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
-from fleetserve.platform.config import AutoscalingConfig, LimitsConfig, ModelConfig, PDRatio, RoutingConfig
+from fleetserve.platform.config import (AutoscalingConfig, LimitsConfig, ModelConfig, PDRatio, RoutingConfig,
+                                        ServerConfig)
 from fleetserve.router.replica.serve_adapter import FleetserveRequestRouter
 
 # Engines take tens of seconds to load; Serve's default health period is too eager.
@@ -56,9 +57,20 @@ def request_router_config(routing: RoutingConfig) -> dict[str, Any] | None:
     }
 
 
-def ingress_options(limits: LimitsConfig) -> dict[str, Any]:
-    """The ingress deployment's Serve options: how much it holds, and a bounded queue in front of it."""
-    return {"max_ongoing_requests": limits.ingress_max_ongoing_requests,
+def control_actor_options(server: ServerConfig) -> dict[str, Any]:
+    """Ray actor options of the ingress and the metrics hub: no CPU of their own, on the nodes the config
+    names (``server.custom_resources``)."""
+    options: dict[str, Any] = {"num_cpus": 0}
+    if server.custom_resources:
+        options["resources"] = dict(server.custom_resources)
+    return options
+
+
+def ingress_options(limits: LimitsConfig, server: ServerConfig) -> dict[str, Any]:
+    """The ingress deployment's Serve options: how much it holds, a bounded queue in front of it, and
+    where it runs."""
+    return {"ray_actor_options": control_actor_options(server),
+            "max_ongoing_requests": limits.ingress_max_ongoing_requests,
             "max_queued_requests": limits.ingress_max_queued_requests,
             "backpressure_config": {"status_code": 503, "retry_after_s": limits.ingress_retry_after_s}}
 

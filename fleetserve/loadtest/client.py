@@ -46,6 +46,8 @@ class RequestRecord:
     usage_from_server: bool = False
     # Routing headers the server returned (x-fleetserve-model, -replica, -pool).
     routing: dict[str, str] = field(default_factory=dict)
+    # The server's x-request-id, to find the request in its logs.
+    request_id: str | None = None
     group_id: int | None = None
     output_text: str = ""
 
@@ -105,6 +107,7 @@ async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any
     try:
         async with http.stream("POST", url, json=payload) as response:
             record.status_code = response.status_code
+            record.request_id = response.headers.get("x-request-id")
             record.routing = {name: value for name, value in response.headers.items()
                                   if name.startswith(ROUTING_HEADER_PREFIX)}
             if response.status_code != 200:

@@ -9,6 +9,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from rich.table import Table
 
+# Leading hex digits of a Ray node id shown in the table (as `ray status` and Ray's dashboard shorten them).
+NODE_ID_CHARS = 8
 # Series keyed by (model, pool, replica).
 ReplicaKey = tuple[str, str, str]
 
@@ -20,9 +22,12 @@ class Scrape:
     taken_at: float
     gauges: dict[ReplicaKey, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     counters: dict[ReplicaKey, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
+    # The Ray node id each replica runs on (from fleetserve_replica_node_info).
+    nodes: dict[ReplicaKey, str] = field(default_factory=dict)
 
 
 _GAUGES = {"vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"}
+_NODE_INFO = "fleetserve_replica_node_info"
 _COUNTERS = {"vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
              "vllm:prefix_cache_queries_total", "vllm:request_success_total"}
 
@@ -31,10 +36,12 @@ def parse_metrics(text: str, taken_at: float) -> Scrape:
     scrape = Scrape(taken_at)
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name not in _GAUGES and sample.name not in _COUNTERS:
-                continue
             labels = sample.labels
             key = (labels.get("model_name", "?"), labels.get("pool", "?"), labels.get("replica", "?"))
+            if sample.name == _NODE_INFO:
+                scrape.nodes[key] = labels.get("node_id", "?")
+            if sample.name not in _GAUGES and sample.name not in _COUNTERS:
+                continue
             target = scrape.gauges if sample.name in _GAUGES else scrape.counters
             target[key][sample.name] = target[key].get(sample.name, 0.0) + sample.value
     return scrape
@@ -55,9 +62,9 @@ def status_table(before: Scrape, after: Scrape, url: str) -> Table:
     """Models, replicas, KV usage, queues and token rates between two scrapes."""
     elapsed = max(after.taken_at - before.taken_at, 1e-9)
     table = Table(title=f"fleetserve status: {url}")
-    for column in ("model", "pool", "replica", "KV usage", "running", "waiting", "gen tok/s", "prompt tok/s",
+    for column in ("model", "pool", "replica", "node", "KV usage", "running", "waiting", "gen tok/s", "prompt tok/s",
                    "prefix hit", "requests"):
-        table.add_column(column, justify="left" if column in ("model", "pool", "replica") else "right")
+        table.add_column(column, justify="left" if column in ("model", "pool", "replica", "node") else "right")
     keys = sorted(set(after.gauges) | set(after.counters))
     replicas_per_model: dict[str, int] = defaultdict(int)
     for key in keys:
@@ -69,7 +76,7 @@ def status_table(before: Scrape, after: Scrape, url: str) -> Table:
         queries = now.get("vllm:prefix_cache_queries_total", 0.0)
         hit = f"{now.get('vllm:prefix_cache_hits_total', 0.0) / queries:.0%}" if queries else "-"
         replicas_per_model[key[0]] += 1
-        table.add_row(key[0], key[1], key[2], f"{gauges.get('vllm:kv_cache_usage_perc', 0.0):.1%}",
+        table.add_row(key[0], key[1], key[2], after.nodes.get(key, "-")[:NODE_ID_CHARS], f"{gauges.get('vllm:kv_cache_usage_perc', 0.0):.1%}",
                       f"{gauges.get('vllm:num_requests_running', 0.0):.0f}",
                       f"{gauges.get('vllm:num_requests_waiting', 0.0):.0f}",
                       f"{rate('vllm:generation_tokens_total'):.1f}", f"{rate('vllm:prompt_tokens_total'):.1f}",

@@ -83,6 +83,11 @@ class EngineMetrics:
                                  registry=self.registry) if max_loras is not None else None)
         self._lora_labels: tuple[str, ...] | None = None
 
+    def set_node(self, node_id: str, node_ip: str) -> None:
+        """Names the Ray node this replica runs on (``fleetserve_replica_node_info``, always 1)."""
+        Gauge("fleetserve_replica_node_info", "The Ray node an engine replica runs on (always 1).",
+              [*LABELS, "node_id", "node_ip"], registry=self.registry).labels(*self._values, node_id, node_ip).set(1)
+
     def record(self, scheduler_stats: Any, iteration_stats: Any) -> None:
         """Folds one engine step in; arguments are vLLM's SchedulerStats and IterationStats."""
         if scheduler_stats is not None:

@@ -58,3 +58,17 @@ def test_bad_combinations_are_clear_errors(model, expected):
     with pytest.raises(ConfigError) as caught:
         parse_config({"models": [model]})
     assert expected in str(caught.value)
+
+
+def test_pools_can_ask_for_their_own_slices():
+    config = parse_config({"models": [{**pd_model(prefill={"custom_resources": {"mig-3g.71gb": 1}},
+                                                  decode={"cpu_binding": ["1"]}),
+                                       "resources": {"num_cpus": 0.5, "custom_resources": {"mig-1g.18gb": 1}}}]})
+    model = config.models[0]
+    prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
+    # Prefill's slice replaces the model's; decode keeps the model's slice and CPU, with its own cores.
+    assert deployment_options(prefill)["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0,
+                                                                "resources": {"mig-3g.71gb": 1}}
+    assert deployment_options(decode)["ray_actor_options"] == {"num_cpus": 0.5, "num_gpus": 0,
+                                                               "resources": {"mig-1g.18gb": 1}}
+    assert decode.resources.cpu_binding == ["1"] and prefill.resources.cpu_binding is None

@@ -76,14 +76,29 @@ def test_merged_exposition_keeps_every_replica_and_parses():
 
 def test_status_table_rates_between_two_scrapes():
     metrics = EngineMetrics("m", "r0")
+    metrics.set_node("0123456789abcdef", "10.0.0.7")
     metrics.record(*step(generated=10))
     before = parse_metrics(metrics.exposition().decode(), taken_at=100.0)
     metrics.record(*step(generated=30, kv=0.5))
     after = parse_metrics(metrics.exposition().decode(), taken_at=102.0)
     table = status_table(before, after, "http://x")
     row = [column._cells[0] for column in table.columns]
-    # 30 tokens in 2 s = 15.0 tok/s; prompt 10 in 2 s = 5.0; hits 8 of 20 queried = 40%.
-    assert row == ["m", "colocated", "r0", "50.0%", "2", "1", "15.0", "5.0", "40%", "2"]
+    # The node's first 8 hex digits; 30 tokens in 2 s = 15.0 tok/s; prompt 10 in 2 s = 5.0; hits 8 of 20 = 40%.
+    assert row == ["m", "colocated", "r0", "01234567", "50.0%", "2", "1", "15.0", "5.0", "40%", "2"]
+
+
+def test_status_table_without_node_info_shows_a_dash():
+    metrics = EngineMetrics("m", "r0")
+    scrape = parse_metrics(metrics.exposition().decode(), taken_at=1.0)
+    assert [column._cells[0] for column in status_table(scrape, scrape, "x").columns][3] == "-"
+
+
+def test_node_info_names_the_replica_and_its_node():
+    metrics = EngineMetrics("m", "r0", pool="decode")
+    metrics.set_node("ab" * 28, "10.0.0.7")
+    assert samples(metrics.exposition())[("fleetserve_replica_node_info", (
+        ("model_name", "m"), ("node_id", "ab" * 28), ("node_ip", "10.0.0.7"), ("pool", "decode"),
+        ("replica", "r0")))] == 1.0
 
 
 def dashboard_metric_names() -> set[str]:

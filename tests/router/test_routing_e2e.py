@@ -1,33 +1,10 @@
 """Cache-aware routing with two real replicas: groups stick to a replica and the engines' prefix cache hits more."""
 
-import random
-from collections import defaultdict
-
-import httpx
 import pytest
 
-from fleetserve.loadtest.datasets import PromptMaker, shared_prefix_dataset
+from cluster_helpers import send_workload
 
 pytestmark = pytest.mark.slow
-
-
-def send_workload(url: str, model: str) -> tuple[dict[int, set[str]], list[str], float]:
-    # 8 groups x 4 requests, sequential so load never overrides affinity. Each prompt: ~400 shared words + 10 own.
-    specs = shared_prefix_dataset(32, num_groups=8, prefix_len=300, suffix_len=10, output_len=2,
-                                  maker=PromptMaker(None, random.Random(0)))
-    replicas_by_group, reasons = defaultdict(set), []
-    prompt_tokens = cached_tokens = 0
-    with httpx.Client(timeout=120) as http:
-        for spec in specs:
-            response = http.post(f"{url}/completions", json={"model": model, "prompt": spec.prompt, "max_tokens": 2})
-            assert response.status_code == 200, response.text
-            replicas_by_group[spec.group_id].add(response.headers["x-fleetserve-replica"])
-            reasons.append(response.headers.get("x-fleetserve-route-reason"))
-            usage = response.json()["usage"]
-            prompt_tokens += usage["prompt_tokens"]
-            cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
-    # The engines' own count: prompt tokens served from their prefix caches.
-    return replicas_by_group, reasons, cached_tokens / prompt_tokens
 
 
 def test_cache_aware_keeps_groups_together_and_raises_engine_hit_rate(two_replica_app):

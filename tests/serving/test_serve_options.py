@@ -48,3 +48,14 @@ def test_serve_instantiates_the_configured_request_router():
     assert isinstance(router.policy, CacheAwarePolicy)
     # balance_rel_threshold unset: routing:'s default, 1.5.
     assert router.policy.thresholds == CacheAwareThresholds(4, 1.5, 0.25)
+
+
+def test_ingress_and_hub_go_where_server_custom_resources_say():
+    from fleetserve.deployments.serve_options import control_actor_options, ingress_options
+
+    config = parse_config({"models": [{"name": "m", "source": "x"}],
+                           "server": {"custom_resources": {"node:__internal_head__": 0.001}}})
+    assert control_actor_options(config.server) == {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
+    assert ingress_options(config.limits, config.server)["ray_actor_options"] == control_actor_options(config.server)
+    # Without it, no resources: Ray places them on any node.
+    assert control_actor_options(parse_config({"models": [{"name": "m", "source": "x"}]}).server) == {"num_cpus": 0}

@@ -22,6 +22,9 @@ class PoolConfig(Strict):
     engine_args: dict[str, Any] = Field(default_factory=dict)
     # Cores per replica on CPU hosts, cycled over replicas; None spreads them with the other engines.
     cpu_binding: list[str] | None = None
+    # Ray custom resources per replica of this pool, replacing the model's resources.custom_resources (e.g.
+    # prefill on a mig-3g slice, decode on mig-1g slices, or each pool on its own node); None keeps the model's.
+    custom_resources: dict[str, float] | None = None
     # Autoscaling for this pool; its ``pool`` is this pool's phase. None keeps ``replicas`` fixed.
     autoscaling: AutoscalingConfig | None = None
     # Replica routing inside the pool; None: the model's routing for prefill, least_loaded for decode.

@@ -17,6 +17,14 @@ class ServerConfig(Strict):
 
     host: str = "127.0.0.1"
     port: int = Field(default=8000, gt=0, lt=65536)
+    # Ray custom resources the ingress and metrics-hub replicas ask for, to keep them off the nodes whose
+    # loss should cost only engines, e.g. {"node:__internal_head__": 0.001} (Ray's own resource of the head
+    # node); empty: Ray places them on any node.
+    custom_resources: dict[str, float] = Field(default_factory=dict)
+    # Where Serve runs its HTTP proxies (Serve's proxy_location): EveryNode (Serve's default) spreads
+    # connections over every node's proxy, and a node's loss drops the connections its proxy held; HeadOnly
+    # keeps them all on the head, beside an ingress kept there by custom_resources.
+    proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
 
 
 class LimitsConfig(Strict):

@@ -152,8 +152,9 @@ class ModelConfig(Strict):
         spec: PoolConfig = getattr(self.disaggregation, pool)
         routing = spec.routing or (self.routing if pool == "prefill" else RoutingConfig(policy="least_loaded"))
         autoscaling = (spec.autoscaling.model_copy(update={"pool": pool}) if spec.autoscaling is not None else None)
-        resources = (self.resources.model_copy(update={"cpu_binding": spec.cpu_binding})
-                     if spec.cpu_binding is not None else self.resources)
+        overrides = {"cpu_binding": spec.cpu_binding, "custom_resources": spec.custom_resources}
+        resources = self.resources.model_copy(update={key: value for key, value in overrides.items()
+                                                      if value is not None})
         engine_args = EngineArgs.model_validate({**self.engine_args.model_dump(), **spec.engine_args})
         copy = self.model_copy(update={"replicas": spec.replicas, "autoscaling": autoscaling, "routing": routing,
                                        "resources": resources, "engine_args": engine_args})

@@ -21,6 +21,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 
 {{/* Ray Serve's config: one application built from the platform config by fleetserve's builder. */}}
 {{- define "fleetserve.serveConfig" -}}
+proxy_location: {{ ((.Values.platform.server | default dict).proxy_location) | default "EveryNode" }}
 applications:
   - name: fleetserve
     import_path: fleetserve.deployments.builders:app_builder
