@@ -135,25 +135,16 @@ async def test_retries_spent_is_a_clear_503(fake_engine_cls):
     assert client.num_calls == 2 and app.in_flight == {"fake": 0}
 
 
-async def test_replica_dying_mid_stream_is_not_retried(fake_engine_cls):
-    app, client = flaky_ingress(fake_engine_cls, num_failures=1, after_chunks=2)
+@pytest.mark.parametrize("cut_off", [False, True], ids=["dies", "cut-off"])
+async def test_replica_failing_mid_stream_ends_it_with_an_error_event(fake_engine_cls, cut_off):
+    app, client = flaky_ingress(fake_engine_cls, num_failures=1, after_chunks=2, cut_off=cut_off)
     # Tokens far enough apart that each replica chunk holds one event (ready events are coalesced).
     client.server.engine.token_interval_s = 0.05
     async with http(app) as http_client:
         response = await http_client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 5,
                                                                     "stream": True})
-    # Two chunks reached the client; output cannot be unsent, so the stream ends with an error event.
-    assert response.status_code == 200 and client.num_calls == 1
-    assert response.text.count('"text"') == 2 and '"code":"engine_unavailable"' in response.text
-
-
-async def test_a_stream_cut_off_mid_response_ends_with_an_error_event(fake_engine_cls):
-    app, client = flaky_ingress(fake_engine_cls, num_failures=1, after_chunks=2, cut_off=True)
-    client.server.engine.token_interval_s = 0.05
-    async with http(app) as http_client:
-        response = await http_client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 5,
-                                                                    "stream": True})
-    # Two chunks, then the stream ended with no final chunk: an error event, never a silent truncation.
+    # Two chunks reached the client; output cannot be unsent, so the stream ends with an error event (also when
+    # it just ended with no final chunk: never a silent truncation), and is not retried.
     assert response.status_code == 200 and client.num_calls == 1
     assert response.text.count('"text"') == 2 and '"code":"engine_unavailable"' in response.text
     assert response.text.endswith("data: [DONE]\n\n") and app.in_flight == {"fake": 0}
