@@ -75,6 +75,10 @@ class EngineMetrics:
                                              "Histogram of inter-token latency in seconds.", "inter_token_latency")
         self.e2e_request_latency = histogram("vllm:e2e_request_latency_seconds",
                                              "Histogram of e2e request latency in seconds.", "request_latency")
+        if pool == "decode":
+            self.local_prefills = counter("fleetserve_local_prefills",
+                                          "Prompts a decode replica prefilled itself: its prefill pool had no "
+                                          "running replica.")
         self._max_loras = max_loras
         # vLLM's LoRA info gauge: the time of the last step, labelled with the adapters running and waiting.
         # Only the current label set is kept (vLLM keeps every set it has seen, a series per combination).

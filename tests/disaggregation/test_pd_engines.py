@@ -15,6 +15,7 @@ import time
 import pytest
 
 from factories import MiB, model_entry
+from fleetserve.deployments.disaggregated import decode_server
 from fleetserve.deployments.disaggregated.decode_server import DecodeServer, LocalPrefillClient
 from fleetserve.deployments.disaggregated.prefill_server import PrefillServer
 from fleetserve.deployments.engine_server import EngineServer
@@ -184,6 +185,9 @@ async def test_failing_prefill_pool_is_a_clear_503(cluster):
             DeadPool.calls += 1
             raise ConnectionError("prefill replica is gone")
 
+        async def num_running_replicas(self):
+            return 1  # Serve still lists it: failing, not gone
+
     decode = cluster.decode[0]
     decode.prefill_client = DeadPool()
     with pytest.raises(EngineRequestError) as raised:
@@ -192,6 +196,62 @@ async def test_failing_prefill_pool_is_a_clear_503(cluster):
     assert DeadPool.calls == 2  # max_prefill_attempts
     stats = await wait_idle([decode])
     assert (stats[0].num_running, stats[0].kv_cache_usage) == (0, 0.0)
+
+
+class VanishingPool:
+    """A prefill pool whose replicas are gone: Serve would queue a prefill until one runs (it never answers
+    here). ``running`` is the replica count it reports on each look, the last one repeated."""
+
+    def __init__(self, *running: int) -> None:
+        self.running = list(running)
+        self.num_calls = self.num_cancelled = 0
+
+    async def prefill(self, request):
+        self.num_calls += 1
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.num_cancelled += 1
+            raise
+
+    async def num_running_replicas(self):
+        return self.running.pop(0) if len(self.running) > 1 else self.running[0]
+
+
+def local_prefills(decode: DecodeServer) -> float:
+    labels = {"model_name": "smollm2", "replica": decode.replica_id, "pool": "decode"}
+    return decode.metrics.registry.get_sample_value("fleetserve_local_prefills_total", labels)
+
+
+@pytest.mark.parametrize("running", [(0,), (1, 1, 0)], ids=["empty_before", "emptied_while_waiting"])
+async def test_prefill_pool_without_replicas_prefills_on_the_decode_replica(cluster, monkeypatch, running):
+    monkeypatch.setattr(decode_server, "POOL_CHECK_PERIOD_S", 0.05)
+    decode, pool = cluster.decode[1], VanishingPool(*running)
+    decode.prefill_client = pool
+    prompt = prompts(length_seed=23 + len(running))[3]  # its own prompt: no prefix cache hit from the other case
+    reference, _ = await run(cluster.reference, prompt, "ref-vanished")
+    before, counted = decode.engine.stats(), local_prefills(decode)
+    tokens, prefill_ids = await run(decode, prompt, f"vanished-{len(running)}")
+    assert (tokens, prefill_ids) == (reference, {None})
+    # Sent to the pool only while it reported a replica (the first look passes, the second or third finds
+    # none), and that call was abandoned.
+    assert (pool.num_calls, pool.num_cancelled) == ((0, 0) if running == (0,) else (1, 1))
+    after = await wait_idle([decode])
+    assert after[0].num_computed_prompt_tokens - before.num_computed_prompt_tokens == len(prompt)
+    assert local_prefills(decode) - counted == 1
+
+
+async def test_prefill_pool_without_replicas_refuses_at_once_when_configured(cluster):
+    decode, pool = cluster.decode[1], VanishingPool(0)
+    decode.prefill_client = pool
+    decode.settings = decode.settings.model_copy(update={"prefill_pool_empty": "refuse"})
+    try:
+        with pytest.raises(EngineRequestError) as raised:
+            await run(decode, prompts(length_seed=25)[2], "refused-empty")
+    finally:
+        decode.settings = pd_model().disaggregation
+    assert raised.value.status_code == 503 and "no running replica" in raised.value.message
+    assert pool.num_calls == 0
 
 
 async def test_too_long_prompt_gets_vllms_400_and_holds_no_kv(cluster):

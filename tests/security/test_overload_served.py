@@ -16,11 +16,13 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from cluster_helpers import engine_gauges, kill, metric_values, replica_actors, wait_all_idle, wait_until_healthy
 from conftest import Served
 from factories import model_entry
+from fleetserve.loadtest.arrivals import inter_arrival_times
 from fleetserve.loadtest.datasets import RequestSpec
 from fleetserve.loadtest.processes import resident_bytes
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
@@ -124,9 +126,13 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
           f"{baseline['ingress_rss'] / 2**20:.0f} -> {max(s['ingress_rss'] for s in sampler.samples) / 2**20:.0f} MiB,"
           f" engines {baseline['engine_rss'] / 2**20:.0f} -> "
           f"{max(s['engine_rss'] for s in sampler.samples) / 2**20:.0f} MiB")
+    # Every arrival the bench's seeded Poisson schedule (seed 0) puts inside the 60 s was sent: a draw, not
+    # rate × 60 (a CI run's draw at 6.75 req/s had 366 arrivals, 0.9 × rate × 60). An arrival within the last
+    # half second may fall behind the deadline by its wake-up's overshoot.
+    offsets = np.cumsum(inter_arrival_times(num_prompts, float(f"{rate:.3f}")))
+    assert int((offsets < 59.5).sum()) <= len(records) == run["num_requests_sent"] <= int((offsets < 60).sum())
     # Counts add up: every request sent either completed or was refused with a Retry-After; none hung
     # (the run ended), none failed any other way.
-    assert len(records) == run["num_requests_sent"] >= rate * 55
     assert metrics["completed"] + metrics["refused"] == len(records)
     assert metrics["refused_with_retry_after"] == metrics["refused"] > 0
     assert set(statuses) <= {200, 503}

@@ -38,10 +38,19 @@ from fleetserve.platform.kv_transfer import KVTransferSpec
 logger = logging.getLogger(__name__)
 
 
+# Seconds a prefill pool's replica count is reused before Serve is asked again; also how often a decode
+# replica waiting on a prefill looks whether the pool is still there.
+POOL_CHECK_PERIOD_S = 2.0
+
+
 class PrefillClient(Protocol):
     """How a decode server reaches the prefill pool."""
 
     async def prefill(self, request: ApiRequest) -> PrefillResult: ...
+
+    async def num_running_replicas(self) -> int | None:
+        """Prefill replicas running now; None while unknown."""
+        ...
 
 
 class LocalPrefillClient:
@@ -73,12 +82,35 @@ class LocalPrefillClient:
         finally:
             self.in_flight[index] -= 1
 
+    async def num_running_replicas(self) -> int | None:
+        return len(self.servers)
+
 
 class HandlePrefillClient:
-    """The prefill deployment through its Serve handle; the pool's request router picks the replica."""
+    """The prefill deployment through its Serve handle; the pool's request router picks the replica.
+
+    Serve queues a call while a deployment has no running replica, for as long as that lasts (a lost node
+    whose slice no other node offers: until one joins); ``num_running_replicas`` lets the decode server
+    see that state instead of waiting in that queue.
+    """
 
     def __init__(self, handle: Any) -> None:
         self.handle = handle
+        self._num_running: int | None = None
+        self._checked_at = -POOL_CHECK_PERIOD_S
+
+    async def num_running_replicas(self) -> int | None:
+        """The prefill deployment's RUNNING replicas in Serve's status, at most POOL_CHECK_PERIOD_S old."""
+        now = time.monotonic()
+        if now - self._checked_at >= POOL_CHECK_PERIOD_S:
+            self._checked_at = now  # concurrent callers reuse the last count meanwhile
+            self._num_running = await asyncio.get_running_loop().run_in_executor(None, self._count_running)
+        return self._num_running
+
+    def _count_running(self) -> int | None:
+        app = serve.status().applications.get(self.handle.app_name)
+        deployment = app.deployments.get(self.handle.deployment_name) if app is not None else None
+        return deployment.replica_states.get("RUNNING", 0) if deployment is not None else None
 
     async def prefill(self, request: ApiRequest) -> PrefillResult:
         response = self.handle.prefill.remote(request)
@@ -92,6 +124,10 @@ class HandlePrefillClient:
 
 def _unavailable(message: str) -> EngineRequestError:
     return EngineRequestError(message, status_code=503, error_type="service_unavailable")
+
+
+class PrefillPoolEmpty(Exception):
+    """The prefill pool has no running replica: a prefill call would wait in Serve's queue for one."""
 
 
 class DecodeServer(EngineServer):
@@ -109,12 +145,15 @@ class DecodeServer(EngineServer):
         super().__init__(model, kv_transfer=kv_transfer, **kwargs)
         self.prefill_client = prefill_client
         self.settings = model.disaggregation
+        # Whether the last prompt was prefilled here for want of a prefill replica (logged on each change).
+        self._prefilling_locally = False
 
     async def _remote_prefill(self, request: ApiRequest, payload: dict[str, Any]) -> PrefillResult:
         """The prefill pool's KV for the request's prompt, tried up to max_prefill_attempts times.
 
         Raises:
             EngineRequestError: every attempt failed (503).
+            PrefillPoolEmpty: the pool has no running replica (before or during an attempt).
         """
         body = prefill_body(payload, request.endpoint)
         # The hints did not travel with the request (they are never pickled): the prefill pool's
@@ -129,8 +168,9 @@ class DecodeServer(EngineServer):
             attempt_request = ApiRequest(f"{request.request_id}-p{attempt}", request.endpoint, body,
                                          routing=routing)
             try:
-                return await asyncio.wait_for(self.prefill_client.prefill(attempt_request),
-                                              self.settings.prefill_timeout_s)
+                return await self._prefill_while_pool_runs(attempt_request)
+            except PrefillPoolEmpty:
+                raise
             except TimeoutError:
                 errors.append(f"no answer within prefill_timeout_s={self.settings.prefill_timeout_s:g}")
             except Exception as error:  # noqa: BLE001 - a dead or failing prefill replica: try another
@@ -138,6 +178,46 @@ class DecodeServer(EngineServer):
             logger.warning("prefill attempt %d/%d for %s failed: %s", attempt,
                            self.settings.max_prefill_attempts, request.request_id, errors[-1])
         raise _unavailable(f"prefill failed on {len(errors)} attempt(s); retry shortly. Last error: {errors[-1]}")
+
+    async def _prefill_while_pool_runs(self, request: ApiRequest) -> PrefillResult:
+        """One prefill call, bounded by prefill_timeout_s, abandoned once the pool has no running replica.
+
+        Raises:
+            TimeoutError: no answer within prefill_timeout_s.
+            PrefillPoolEmpty: the pool has no running replica.
+        """
+        if await self.prefill_client.num_running_replicas() == 0:
+            raise PrefillPoolEmpty
+        call = asyncio.ensure_future(self.prefill_client.prefill(request))
+        deadline = time.monotonic() + self.settings.prefill_timeout_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError
+                done, _ = await asyncio.wait({call}, timeout=min(POOL_CHECK_PERIOD_S, remaining))
+                if done:
+                    return call.result()
+                if await self.prefill_client.num_running_replicas() == 0:
+                    raise PrefillPoolEmpty
+        finally:
+            call.cancel()  # a no-op once it is done; else the prefill replica stops it too
+
+    def _note_prefill_pool(self, running: bool) -> None:
+        """Records whether the prefill pool ran for the last prompt; with none running, refuses the request
+        (``prefill_pool_empty: refuse``) or counts it as prefilled here.
+
+        Raises:
+            EngineRequestError: the pool has no running replica and the model refuses then (503).
+        """
+        if not running and self.settings.prefill_pool_empty == "refuse":
+            raise _unavailable("the prefill pool has no running replica; retry shortly")
+        if running != (not self._prefilling_locally):
+            logger.warning("the prefill pool runs again; prefilling there" if running else
+                           "the prefill pool has no running replica; prefilling here until one runs")
+        self._prefilling_locally = not running
+        if not running:
+            self.metrics.local_prefills.inc()
 
     async def _num_prompt_tokens(self, request: ApiRequest, payload: dict[str, Any]) -> int:
         """The prompt's length as the engine renders it, from vLLM's own /tokenize."""
@@ -164,10 +244,12 @@ class DecodeServer(EngineServer):
     async def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:
         """Streams the request's response; prompts of at least min_prompt_tokens are prefilled remotely.
 
-        A request vLLM refuses at prefill gets vLLM's error as it is; a failed prefill pool, a 503.
+        A request vLLM refuses at prefill gets vLLM's error as it is; a failed prefill pool, a 503. While the
+        pool has no running replica, the prompt is prefilled here (``prefill_pool_empty: prefill_locally``)
+        or refused at once (``refuse``) instead of waiting for one.
 
         Raises:
-            EngineRequestError: the prefill pool failed on every attempt (503).
+            EngineRequestError: the prefill pool failed on every attempt, or is empty and refuses (503).
         """
         started_at = time.time()
         refusal = self._refusal(request, started_at)
@@ -184,7 +266,14 @@ class DecodeServer(EngineServer):
             async for chunk in self._run(request, request.body, started_at):
                 yield chunk
             return
-        prefill = await self._remote_prefill(request, payload)
+        try:
+            prefill = await self._remote_prefill(request, payload)
+        except PrefillPoolEmpty:
+            self._note_prefill_pool(running=False)
+            async for chunk in self._run(request, request.body, started_at):
+                yield chunk
+            return
+        self._note_prefill_pool(running=True)
         if prefill.error_status is not None:
             yield ReplicaChunk(prefill.error_body, head=ResponseHead(
                 prefill.error_status, "application/json", self.replica_id, started_at, prefill.replica_id),

@@ -63,6 +63,10 @@ class DisaggregationConfig(Strict):
     max_prefill_attempts: int = Field(default=2, ge=1)
     # Seconds one prefill call may take before it is abandoned and tried again.
     prefill_timeout_s: float = Field(default=60.0, gt=0)
+    # While the prefill pool has no running replica (its node lost, its slice taken), Serve would queue each
+    # prefill until one runs: prefill_locally serves the prompt on the decode replica instead (slower, but
+    # served); refuse answers 503 at once.
+    prefill_pool_empty: Literal["prefill_locally", "refuse"] = "prefill_locally"
     # Seconds a prefill engine keeps KV that no decode engine reads (its decode side died or gave up).
     kv_lease_s: int = Field(default=30, ge=1)
     # Keeps the autoscaled pools within a ratio of each other (both pools need autoscaling by a fleetserve
