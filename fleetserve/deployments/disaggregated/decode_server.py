@@ -212,7 +212,7 @@ class DecodeServer(EngineServer):
         """
         if not running and self.settings.prefill_pool_empty == "refuse":
             raise _unavailable("the prefill pool has no running replica; retry shortly")
-        if running != (not self._prefilling_locally):
+        if running == self._prefilling_locally:  # the pool's state changed
             logger.warning("the prefill pool runs again; prefilling there" if running else
                            "the prefill pool has no running replica; prefilling here until one runs")
         self._prefilling_locally = not running
