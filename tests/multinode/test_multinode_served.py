@@ -189,8 +189,9 @@ def test_prefill_on_one_node_and_decode_on_another_equal_colocated_output(platfo
 
 def test_kv_event_routing_follows_replicas_on_both_nodes(platform):
     groups, reasons, hit_rate = send_workload(f"{platform.base_url}/v1", "small")
-    # As on one node (tests/router/test_routing_e2e.py): each group stays on one replica, both replicas (one
-    # per node) are used, 8 first requests go by load and 24 by the cache that each node's engine reported.
+    # As with the routed index on one node (tests/router/test_routing_e2e.py): each group stays on one replica,
+    # both replicas (one per node) are used, 8 first requests go by load and 24 by the cache that each node's
+    # engine reported. The suite's only end-to-end test of kv_events routing.
     assert all(len(replicas) == 1 for replicas in groups.values())
     assert len(set().union(*groups.values())) == 2
     assert reasons.count("cache_hit") == 24 and reasons.count("load") == 8

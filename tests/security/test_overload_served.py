@@ -35,9 +35,12 @@ DEPLOYMENT = f"engine-{MODEL}"
 # Seconds of queued work the guarded app admits (at its engines' measured completion rate).
 MAX_QUEUE_WAIT_S = 2.0
 MAX_NUM_SEQS = 16
+# Queue admitted per replica however slowly the engines finish: the allowance's floor.
+MIN_QUEUED_PER_REPLICA = 8
 NUM_CRASH_REQUESTS = 48
-# Streams in the disconnect storm, 128 at a time: four times the shared tiny engine's 32 slots.
-NUM_STORM_STREAMS = 500
+# Streams in the disconnect storm, 128 at a time (four times the shared tiny engine's 32 slots): two waves
+# of abandonment.
+NUM_STORM_STREAMS = 256
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +54,8 @@ def guarded(served) -> Served:
         # routing may stack up to balance_abs_threshold (32) more requests on one replica.
         "models": [{**model_entry(MODEL, max_num_seqs=MAX_NUM_SEQS), "replicas": 2,
                     "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]}, "routing": {"policy": "least_loaded"}}],
-        "limits": {"max_queue_wait_s": MAX_QUEUE_WAIT_S, "min_queued_per_replica": 8, "progress_timeout_s": 60}})
+        "limits": {"max_queue_wait_s": MAX_QUEUE_WAIT_S, "min_queued_per_replica": MIN_QUEUED_PER_REPLICA,
+                   "progress_timeout_s": 60}})
     serve.run(build_app(config), name="guarded", route_prefix="/guarded")
     yield Served(base_url=f"{served.base_url}/guarded", config=config, handles={})
     wait_until_healthy("guarded")
@@ -140,9 +144,12 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
     # the engines), and the rest is served. Throughput and latency figures: docs/benchmarks.md.
     assert 0.4 < metrics["refused"] / len(records) < 0.9
     assert metrics["completed"] > 0.25 * capacity * 60
-    # Bounded: admitted work never exceeds the engines' slots plus about 2 s of drain (2 x capacity
-    # requests), where unbounded queueing would have reached a minute's excess (60 x capacity).
-    bound = 2 * MAX_NUM_SEQS + 2 * MAX_QUEUE_WAIT_S * capacity
+    # Bounded: admitted work never exceeds the engines' slots plus the queue allowance, where unbounded
+    # queueing would have reached a minute's excess (60 x capacity). The allowance is 2 s of drain at the
+    # engines' completion rate (here up to twice the probe's capacity), but never under the floor of 8 per
+    # replica: on a loaded machine (CI's probe measured 3.4 req/s) 2 x 2 s x 3.4 = 13.5 < 16, and the
+    # ingress held 32 running + 16 queued = 48.
+    bound = 2 * MAX_NUM_SEQS + max(2 * MIN_QUEUED_PER_REPLICA, 2 * MAX_QUEUE_WAIT_S * capacity)
     assert max(s["in_flight"] for s in sampler.samples) <= bound
     assert max(s["waiting"] for s in sampler.samples) <= bound
     # Memory: the engines' stays flat. The ingress's grows through the minute, by 35-65% in the runs seen
