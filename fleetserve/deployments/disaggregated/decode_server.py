@@ -108,7 +108,13 @@ class HandlePrefillClient:
         return self._num_running
 
     def _count_running(self) -> int | None:
-        app = serve.status().applications.get(self.handle.app_name)
+        try:
+            status = serve.status()
+        except Exception as error:  # noqa: BLE001 - the controller unreachable (its node lost, restarting)
+            # Unknown is not empty: the prefill call goes ahead, bounded by prefill_timeout_s as before.
+            logger.warning("the prefill pool's replica count is unknown: %s", error)
+            return None
+        app = status.applications.get(self.handle.app_name)
         deployment = app.deployments.get(self.handle.deployment_name) if app is not None else None
         return deployment.replica_states.get("RUNNING", 0) if deployment is not None else None
 
