@@ -21,7 +21,7 @@ import psutil
 import pytest
 import yaml
 
-from cluster_helpers import metric_values, send_workload
+from cluster_helpers import metric_values, send_workload, wait_all_idle
 from conftest import SERVED_MODELS
 from factories import model_entry
 from fleetserve.loadtest.datasets import RequestSpec
@@ -273,3 +273,9 @@ def test_a_node_lost_under_load_fails_fast_and_its_replicas_return_on_a_new_node
     # now hold the only ones (NIXL side channels of pd's prefill and decode, KV event ports of small's two).
     owners = set(json.loads(cluster.port_registry.read_text()).values())
     assert len(owners) == 4 and all(psutil.pid_exists(pid) for pid in owners), owners
+    # And no engine serving now holds anything for the requests that died with a: none running or waiting,
+    # no KV block in use (pd's decode replica freed what it had pulled from a's prefill replica).
+    for model in ("small", "pd"):
+        gauges = wait_all_idle(platform.base_url, model, num_replicas=2)
+        assert len(gauges) == 2 and all(g == {"running": 0.0, "waiting": 0.0, "kv": 0.0}
+                                        for g in gauges.values()), gauges
