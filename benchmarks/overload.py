@@ -3,6 +3,7 @@ and with --tenants, a light tenant beside a heavy one's flood, with fair shares 
 
     .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
     .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~6 min
+    .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--malloc-arena-max 2]
 
 The tiny model on 2 replicas (one core each, max_num_seqs 16, eager). Capacity is measured first: a
 closed burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
@@ -17,6 +18,12 @@ fair shares (limits.fair_share_from 0.5, equal weights), once without (fair_shar
 with shares and A as a batch tenant on engines with vLLM's priority scheduling. Reported:
 B's goodput and p99 TTFT against B alone, and what A got.
 
+With --memory: the bounded setup alone, for --seconds (default 300), sampling the ingress's resident memory
+every second. After --warmup-s the ingress marks its heap; at the end it reports what the heap gained since:
+live objects by type, and with --tracemalloc N the allocation sites (N frames each; tracing costs the
+ingress CPU). --malloc-arena-max sets glibc's MALLOC_ARENA_MAX in every Ray worker. Results:
+results/overload/memory*.json and a plot of RSS over time, memory*.png.
+
 Reported per setup: completed, refused (503 with Retry-After), client timeouts (120 s), throughput,
 TTFT/TPOT medians and p99s of completed requests, goodput (TTFT <= 5 s), peak requests in flight, and
 peak memory of the ingress and engine processes. Results: results/overload/*.json and a table on stdout.
@@ -25,15 +32,19 @@ peak memory of the ingress and engine processes. Results: results/overload/*.jso
 from __future__ import annotations
 
 import argparse
-import re
 import asyncio
+import json
+import os
+import re
 import threading
+import time
 from pathlib import Path
 
 from fleetserve.loadtest.datasets import RequestSpec
 from fleetserve.loadtest.processes import resident_bytes
 from fleetserve.loadtest.report import save_results
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
+from fleetserve.deployments.ingress.heap import TRACEMALLOC_ENV
 from fleetserve.platform.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,19 +123,29 @@ def main() -> None:
     from fleetserve.deployments.builders import build_app
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--seconds", type=float, default=None, help="of load per setup (60; --memory: 300)")
     parser.add_argument("--factor", type=float, default=2.0)
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "overload")
     parser.add_argument("--tenants", action="store_true", help="a light tenant beside a heavy one's flood")
     parser.add_argument("--heavy-factor", type=float, default=3.0, help="--tenants: A's rate over capacity")
+    parser.add_argument("--memory", action="store_true", help="the ingress's memory through a long overload")
+    parser.add_argument("--warmup-s", type=float, default=30.0, help="--memory: seconds before the heap mark")
+    parser.add_argument("--tracemalloc", type=int, default=0, help="--memory: frames per traced allocation")
+    parser.add_argument("--malloc-arena-max", type=int, default=None, help="MALLOC_ARENA_MAX for Ray's workers")
     args = parser.parse_args()
+    args.seconds = args.seconds or (300.0 if args.memory else 60.0)
     args.out.mkdir(parents=True, exist_ok=True)
+    # Ray's workers inherit this process's environment: set before ray.init.
+    if args.tracemalloc:
+        os.environ[TRACEMALLOC_ENV] = str(args.tracemalloc)
+    if args.malloc_arena_max:
+        os.environ["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     base_url = f"http://127.0.0.1:{PORT}"
-    if args.tenants:
+    if args.tenants or args.memory:
         try:
-            tenants(base_url, args)
+            (tenants if args.tenants else memory)(base_url, args)
         finally:
             serve.shutdown()
             ray.shutdown()
@@ -155,6 +176,87 @@ def main() -> None:
         serve.shutdown()
         ray.shutdown()
     report(rows, capacity)
+
+
+class RssSeries(threading.Thread):
+    """The ingress's resident memory each second: (seconds since start, bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.points: list[tuple[float, int]] = []
+        self.done = threading.Event()
+        self.started_at = time.monotonic()
+
+    def run(self) -> None:
+        while not self.done.wait(1.0):
+            self.points.append((time.monotonic() - self.started_at,
+                                resident_bytes("ServeReplica:fleetserve:ingress")))
+
+
+def memory(base_url: str, args: argparse.Namespace) -> None:
+    """The bounded setup at --factor x capacity for --seconds, with the ingress's RSS sampled and its heap
+    growth after --warmup-s reported."""
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+
+    serve.run(build_app(parse_config({"models": [model_config()], "limits": SETUPS["bounded"]})),
+              name="fleetserve", route_prefix="/")
+    ingress = serve.get_deployment_handle("ingress", "fleetserve")
+    probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
+                                                  max_concurrency=32), specs(96)))
+    rate = args.factor * probe.metrics["request_throughput"]
+    print(f"capacity: {probe.metrics['request_throughput']:.2f} req/s; offering {rate:.2f} req/s for "
+          f"{args.seconds:g} s; heap mark at {args.warmup_s:g} s", flush=True)
+    config = BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True, request_rate=rate, seed=1,
+                         max_seconds=args.seconds, timeout_s=120.0, goodput=SLO)
+
+    async def load_with_mark():
+        bench = asyncio.ensure_future(run_benchmark(config, specs(int(rate * args.seconds) + 50)))
+        await asyncio.sleep(args.warmup_s)
+        await ingress.heap_mark.remote()
+        return await bench, time.monotonic()
+
+    series = RssSeries()
+    series.start()
+    result, ended_at = asyncio.run(load_with_mark())
+    growth = ingress.heap_growth.remote(25).result()
+    series.done.set()
+    series.join()
+    warm = [rss for t, rss in series.points if t >= args.warmup_s]
+    summary = {"capacity": probe.metrics["request_throughput"], "rate": rate, "seconds": args.seconds,
+               "warmup_s": args.warmup_s, "tracemalloc": args.tracemalloc, "malloc_arena_max": args.malloc_arena_max,
+               "completed": result.metrics["completed"], "refused": result.metrics["refused"],
+               "rss_points": series.points, "warm_rss": warm[0], "peak_rss_after_warmup": max(warm),
+               "object_gains": growth.object_gains, "site_gains": growth.site_gains,
+               "traced_bytes": growth.traced_bytes}
+    suffix = (f"-tracemalloc{args.tracemalloc}" if args.tracemalloc else "") + (
+        f"-arenas{args.malloc_arena_max}" if args.malloc_arena_max else "")
+    (args.out / f"memory{suffix}.json").write_text(json.dumps(summary, indent=1))
+    plot_rss(series.points, args.warmup_s, args.out / f"memory{suffix}.png")
+    print(f"{result.metrics['completed']} completed, {result.metrics['refused']} refused; ingress RSS "
+          f"{series.points[0][1] >> 20} MiB at start, {warm[0] >> 20} MiB warm, peak after warm-up "
+          f"{max(warm) >> 20} MiB ({max(warm) / warm[0]:.2f}x warm); {time.monotonic() - ended_at:.0f} s to report")
+    print("objects gained since the mark:", growth.object_gains[:15])
+    for site, num_bytes, num_blocks in growth.site_gains[:15]:
+        print(f"{num_bytes / 2**10:9.1f} KiB {num_blocks:7d} blocks  {site}")
+
+
+def plot_rss(points: list[tuple[float, int]], warmup_s: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    axis.plot([t for t, _ in points], [rss / 2**20 for _, rss in points], label="ingress RSS")
+    axis.axvline(warmup_s, color="grey", linestyle="--", label="heap mark (warm)")
+    axis.set_xlabel("seconds into the overload")
+    axis.set_ylabel("MiB")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
 
 
 def tenants(base_url: str, args: argparse.Namespace) -> None:

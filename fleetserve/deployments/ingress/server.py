@@ -46,6 +46,7 @@ from fleetserve.deployments.ingress.adapters import (
     LocalAdapterCatalog,
 )
 from fleetserve.deployments.ingress.cold_start import ColdStartHold
+from fleetserve.deployments.ingress.heap import HeapGrowth, HeapTracker, start_tracing_if_asked
 from fleetserve.deployments.ingress.limits import LoadSource, WorkLimits, check_request_limits, effective_max_tokens
 from fleetserve.deployments.ingress.model_clients import HandleModelClient, ModelClient
 from fleetserve.deployments.ingress.route_ledger import RouteLedger
@@ -550,6 +551,8 @@ class IngressDeployment(OpenAIIngress):
                  config: PlatformConfig | None = None) -> None:
         # The whole platform config this app was built from, for `fleetserve apply` to compare against.
         self._platform_config = config
+        start_tracing_if_asked()
+        self._heap = HeapTracker()
         source = metrics_hub.collect.remote if metrics_hub is not None else None
         load_source = metrics_hub.loads.remote if metrics_hub is not None else None
         super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
@@ -564,6 +567,16 @@ class IngressDeployment(OpenAIIngress):
     async def running_config(self) -> PlatformConfig | None:
         """The platform config this app was built from (``fleetserve apply`` diffs against it)."""
         return self._platform_config
+
+    async def heap_mark(self) -> None:
+        """Marks this replica's heap; ``heap_growth`` then reports what it gained since (memory investigations,
+        ``benchmarks/overload.py --memory``)."""
+        self._heap.mark()
+
+    async def heap_growth(self, limit: int = 20) -> HeapGrowth:
+        """The largest gains of live objects by type (and allocation sites, under FLEETSERVE_TRACEMALLOC)
+        since ``heap_mark``."""
+        return self._heap.growth(limit)
 
     def __serve_build_asgi_app__(self) -> FastAPI:
         return self.build_app()
