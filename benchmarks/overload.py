@@ -3,7 +3,7 @@ and with --tenants, a light tenant beside a heavy one's flood, with fair shares 
 
     .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
     .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~6 min
-    .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--malloc-arena-max 2]
+    .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--worker-env K=V ...]
 
 The tiny model on 2 replicas (one core each, max_num_seqs 16, eager). Capacity is measured first: a
 closed burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
@@ -21,8 +21,8 @@ B's goodput and p99 TTFT against B alone, and what A got.
 With --memory: the bounded setup alone, for --seconds (default 300), sampling the ingress's resident memory
 every second. After --warmup-s the ingress marks its heap; at the end it reports what the heap gained since:
 live objects by type, and with --tracemalloc N the allocation sites (N frames each; tracing costs the
-ingress CPU). --malloc-arena-max sets glibc's MALLOC_ARENA_MAX in every Ray worker. Results:
-results/overload/memory*.json and a plot of RSS over time, memory*.png.
+ingress CPU). --worker-env sets a variable in every Ray worker (e.g. MALLOC_ARENA_MAX=2, glibc's arenas).
+Results: results/overload/memory*.json and a plot of RSS over time, memory*.png.
 
 Reported per setup: completed, refused (503 with Retry-After), client timeouts (120 s), throughput,
 TTFT/TPOT medians and p99s of completed requests, goodput (TTFT <= 5 s), peak requests in flight, and
@@ -131,15 +131,17 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="the ingress's memory through a long overload")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="--memory: seconds before the heap mark")
     parser.add_argument("--tracemalloc", type=int, default=0, help="--memory: frames per traced allocation")
-    parser.add_argument("--malloc-arena-max", type=int, default=None, help="MALLOC_ARENA_MAX for Ray's workers")
+    parser.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",
+                        help="--memory: an environment variable for every Ray worker (repeatable)")
     args = parser.parse_args()
     args.seconds = args.seconds or (300.0 if args.memory else 60.0)
     args.out.mkdir(parents=True, exist_ok=True)
     # Ray's workers inherit this process's environment: set before ray.init.
     if args.tracemalloc:
         os.environ[TRACEMALLOC_ENV] = str(args.tracemalloc)
-    if args.malloc_arena_max:
-        os.environ["MALLOC_ARENA_MAX"] = str(args.malloc_arena_max)
+    for assignment in args.worker_env:
+        key, _, value = assignment.partition("=")
+        os.environ[key] = value
     ray.init(include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     base_url = f"http://127.0.0.1:{PORT}"
@@ -225,13 +227,13 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
     series.join()
     warm = [rss for t, rss in series.points if t >= args.warmup_s]
     summary = {"capacity": probe.metrics["request_throughput"], "rate": rate, "seconds": args.seconds,
-               "warmup_s": args.warmup_s, "tracemalloc": args.tracemalloc, "malloc_arena_max": args.malloc_arena_max,
+               "warmup_s": args.warmup_s, "tracemalloc": args.tracemalloc, "worker_env": args.worker_env,
                "completed": result.metrics["completed"], "refused": result.metrics["refused"],
                "rss_points": series.points, "warm_rss": warm[0], "peak_rss_after_warmup": max(warm),
                "object_gains": growth.object_gains, "site_gains": growth.site_gains,
                "traced_bytes": growth.traced_bytes}
-    suffix = (f"-tracemalloc{args.tracemalloc}" if args.tracemalloc else "") + (
-        f"-arenas{args.malloc_arena_max}" if args.malloc_arena_max else "")
+    suffix = "".join(f"-{slug(part)}" for part in ([f"tracemalloc{args.tracemalloc}"] if args.tracemalloc else [])
+                     + args.worker_env)
     (args.out / f"memory{suffix}.json").write_text(json.dumps(summary, indent=1))
     plot_rss(series.points, args.warmup_s, args.out / f"memory{suffix}.png")
     print(f"{result.metrics['completed']} completed, {result.metrics['refused']} refused; ingress RSS "
