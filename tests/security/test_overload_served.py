@@ -231,11 +231,12 @@ def test_replica_crash_under_load_retries_unstarted_requests_and_recovers(guarde
 
     async def load_with_crash() -> tuple:
         # 48 requests at once: the engines' 2 x 16 slots plus the 2 x 8 the queue floor admits. Each replica
-        # runs 16 and queues 8 for the first wave's 256 tokens (seconds: a gauge a publish period old still
-        # shows it), so the crash lands while some stream and others wait.
+        # runs 16 and queues 8 for the first wave's 512 tokens (seconds: a gauge a publish period old still
+        # shows it), so the crash lands while some stream and others wait. (A CI run with 256-token waves, on
+        # engines whose worker runs in the engine-core process, killed after the first wave had ended: 0 to retry.)
         config = BenchConfig(base_url=guarded.base_url, model=MODEL, ignore_eos=True, timeout_s=120)
         bench = asyncio.ensure_future(run_benchmark(config, specs(NUM_CRASH_REQUESTS, input_words=128,
-                                                                  max_tokens=256)))
+                                                                  max_tokens=512)))
         # Kill once the victim holds more requests than its engine has slots: those beyond the slots wait for a
         # whole wave to finish and have no output yet, so the ingress must send them again. (The gauges are up
         # to a publish period old: with a short first wave, a kill on waiting alone could land once every

@@ -164,7 +164,10 @@ def test_max_tokens_past_the_context_is_clamped_as_vllm_does(served):
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 24
 
 
-@pytest.mark.parametrize("model", MODELS)
+# SmolLM2 only: the tiny model generates the 1000 tokens its context allows (1024) in less time than a
+# disconnect takes to reach its engine through Serve's proxy (a suite run saw all 1000 generated and the
+# request finished), so it cannot show an abort.
+@pytest.mark.parametrize("model", ["smollm2"])
 def test_client_disconnect_frees_the_request(served, model):
     before = served.wait_idle(model)
     with httpx.stream("POST", f"{served.api_url}/completions", timeout=60, json={
