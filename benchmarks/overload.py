@@ -93,17 +93,25 @@ def specs(num: int) -> list[RequestSpec]:
 
 
 class MemorySampler(threading.Thread):
-    """Peak resident memory of the ingress and of the engine replicas (with their vLLM processes)."""
+    """Resident memory of the ingress and of the engine replicas (with their vLLM processes) each second:
+    (seconds since start, ingress bytes, engines bytes)."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
-        self.peaks = {"ingress": 0, "engines": 0}
+        self.points: list[tuple[float, int, int]] = []
         self.done = threading.Event()
+        self.started_at = time.monotonic()
+
+    @property
+    def peaks(self) -> dict[str, int]:
+        return {"ingress": max((p[1] for p in self.points), default=0),
+                "engines": max((p[2] for p in self.points), default=0)}
 
     def run(self) -> None:
         while not self.done.wait(1.0):
-            self.peaks["ingress"] = max(self.peaks["ingress"], resident_bytes("ServeReplica:fleetserve:ingress"))
-            self.peaks["engines"] = max(self.peaks["engines"], resident_bytes(f"ServeReplica:fleetserve:engine-{MODEL}"))
+            self.points.append((time.monotonic() - self.started_at,
+                                resident_bytes("ServeReplica:fleetserve:ingress"),
+                                resident_bytes(f"ServeReplica:fleetserve:engine-{MODEL}")))
 
 
 def peak_in_flight(records) -> int:
@@ -180,21 +188,6 @@ def main() -> None:
     report(rows, capacity)
 
 
-class RssSeries(threading.Thread):
-    """The ingress's resident memory each second: (seconds since start, bytes)."""
-
-    def __init__(self) -> None:
-        super().__init__(daemon=True)
-        self.points: list[tuple[float, int]] = []
-        self.done = threading.Event()
-        self.started_at = time.monotonic()
-
-    def run(self) -> None:
-        while not self.done.wait(1.0):
-            self.points.append((time.monotonic() - self.started_at,
-                                resident_bytes("ServeReplica:fleetserve:ingress")))
-
-
 def memory(base_url: str, args: argparse.Namespace) -> None:
     """The bounded setup at --factor x capacity for --seconds, with the ingress's RSS sampled and its heap
     growth after --warmup-s reported."""
@@ -217,28 +210,29 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
         bench = asyncio.ensure_future(run_benchmark(config, specs(int(rate * args.seconds) + 50)))
         await asyncio.sleep(args.warmup_s)
         await ingress.heap_mark.remote()
-        return await bench, time.monotonic()
+        return await bench
 
-    series = RssSeries()
-    series.start()
-    result, ended_at = asyncio.run(load_with_mark())
+    sampler = MemorySampler()
+    sampler.start()
+    result = asyncio.run(load_with_mark())
     growth = ingress.heap_growth.remote(25).result()
-    series.done.set()
-    series.join()
-    warm = [rss for t, rss in series.points if t >= args.warmup_s]
+    sampler.done.set()
+    sampler.join()
+    points = [(t, ingress_rss) for t, ingress_rss, _ in sampler.points]
+    warm = [rss for t, rss in points if t >= args.warmup_s]
     summary = {"capacity": probe.metrics["request_throughput"], "rate": rate, "seconds": args.seconds,
                "warmup_s": args.warmup_s, "tracemalloc": args.tracemalloc, "worker_env": args.worker_env,
                "completed": result.metrics["completed"], "refused": result.metrics["refused"],
-               "rss_points": series.points, "warm_rss": warm[0], "peak_rss_after_warmup": max(warm),
+               "rss_points": points, "warm_rss": warm[0], "peak_rss_after_warmup": max(warm),
                "object_gains": growth.object_gains, "site_gains": growth.site_gains,
                "traced_bytes": growth.traced_bytes}
     suffix = "".join(f"-{slug(part)}" for part in ([f"tracemalloc{args.tracemalloc}"] if args.tracemalloc else [])
                      + args.worker_env)
     (args.out / f"memory{suffix}.json").write_text(json.dumps(summary, indent=1))
-    plot_rss(series.points, args.warmup_s, args.out / f"memory{suffix}.png")
+    plot_rss(points, args.warmup_s, args.out / f"memory{suffix}.png")
     print(f"{result.metrics['completed']} completed, {result.metrics['refused']} refused; ingress RSS "
-          f"{series.points[0][1] >> 20} MiB at start, {warm[0] >> 20} MiB warm, peak after warm-up "
-          f"{max(warm) >> 20} MiB ({max(warm) / warm[0]:.2f}x warm); {time.monotonic() - ended_at:.0f} s to report")
+          f"{points[0][1] >> 20} MiB at start, {warm[0] >> 20} MiB warm, peak after warm-up "
+          f"{max(warm) >> 20} MiB ({max(warm) / warm[0]:.2f}x warm)")
     print("objects gained since the mark:", growth.object_gains[:15])
     for site, num_bytes, num_blocks in growth.site_gains[:15]:
         print(f"{num_bytes / 2**10:9.1f} KiB {num_blocks:7d} blocks  {site}")
