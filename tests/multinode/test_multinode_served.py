@@ -158,6 +158,17 @@ def complete(base_url: str, model: str) -> httpx.Response:
                       timeout=60)
 
 
+def complete_prefilled_remotely(base_url: str, model: str, timeout_s: float) -> httpx.Response:
+    """The first answer that names a prefill replica, an error, or the last local answer at the timeout."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answer = complete(base_url, model)
+        if (answer.status_code != 200 or "x-fleetserve-prefill-replica" in answer.headers
+                or time.monotonic() > deadline):
+            return answer
+        time.sleep(1)
+
+
 def test_serve_refuses_a_model_no_node_can_host_naming_the_slice(cluster, tmp_path):
     # Before anything is deployed (the platform fixture starts after this test): the check runs first.
     huge = with_huge_model(platform_config(free_port(), small_on(SMALL, replicas=2)), tmp_path)
@@ -267,8 +278,10 @@ def test_a_node_lost_under_load_fails_fast_and_its_replicas_return_on_a_new_node
                                         for i in range(16)]))
     assert [answer.status_code for answer in answers] == [200] * 16
     assert len({answer.headers["x-fleetserve-replica"] for answer in answers}) == 2
-    remote = complete(platform.base_url, "pd")
-    assert remote.status_code == 200 and remote.headers["x-fleetserve-prefill-replica"], remote.headers
+    # pd's decode replica prefills remotely again once it sees the new prefill replica RUNNING in Serve's status
+    # (the replica's node report above can come first; the decode side's count is up to 2 s old).
+    remote = complete_prefilled_remotely(platform.base_url, "pd", timeout_s=30)
+    assert remote.status_code == 200 and "x-fleetserve-prefill-replica" in remote.headers, remote.headers
     # No port lease outlived its engine: a's replicas' leases went with them, and the four replicas serving
     # now hold the only ones (NIXL side channels of pd's prefill and decode, KV event ports of small's two).
     owners = set(json.loads(cluster.port_registry.read_text()).values())
