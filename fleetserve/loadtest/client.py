@@ -19,6 +19,11 @@ REFUSAL_STATUSES = (429, 503)
 ROUTING_HEADER_PREFIX = "x-fleetserve-"
 
 
+# The error of a 200 stream that ended normally without content (a random model can emit only tokens that
+# detokenize to nothing).
+EMPTY_STREAM = "the stream ended without any content"
+
+
 @dataclass
 class RequestRecord:
     """What happened to one request. Times are seconds; ``start`` is relative to the run's start."""
@@ -149,7 +154,7 @@ async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any
         record.output_text = "".join(pieces)
         record.ok = record.ttft is not None
         if not record.ok:
-            record.error = "the stream ended without any content"
+            record.error = EMPTY_STREAM
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as error:
         record.error = f"{type(error).__name__}: {error}"
     return record
