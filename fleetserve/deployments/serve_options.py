@@ -66,17 +66,10 @@ def control_actor_options(server: ServerConfig) -> dict[str, Any]:
     return options
 
 
-# glibc gives each thread that allocates under contention an arena of its own (up to 8 per core), and keeps
-# the arenas' freed pages: under an overload's bursts the ingress's RSS climbed in steps while its Python heap
-# gained no objects (docs/benchmarks.md, "Ingress memory"). Two arenas held the climb after warm-up to a third.
-INGRESS_ENV_VARS = {"MALLOC_ARENA_MAX": "2"}
-
-
 def ingress_options(limits: LimitsConfig, server: ServerConfig) -> dict[str, Any]:
-    """The ingress deployment's Serve options: how much it holds, a bounded queue in front of it, where it
-    runs, and its allocator's arena cap (read at process start, so set through its runtime env)."""
-    actor_options = {**control_actor_options(server), "runtime_env": {"env_vars": dict(INGRESS_ENV_VARS)}}
-    return {"ray_actor_options": actor_options,
+    """The ingress deployment's Serve options: how much it holds, a bounded queue in front of it, and
+    where it runs."""
+    return {"ray_actor_options": control_actor_options(server),
             "max_ongoing_requests": limits.ingress_max_ongoing_requests,
             "max_queued_requests": limits.ingress_max_queued_requests,
             "backpressure_config": {"status_code": 503, "retry_after_s": limits.ingress_retry_after_s}}

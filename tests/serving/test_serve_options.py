@@ -56,7 +56,6 @@ def test_ingress_and_hub_go_where_server_custom_resources_say():
     config = parse_config({"models": [{"name": "m", "source": "x"}],
                            "server": {"custom_resources": {"node:__internal_head__": 0.001}}})
     assert control_actor_options(config.server) == {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
-    assert ingress_options(config.limits, config.server)["ray_actor_options"] == {
-        **control_actor_options(config.server), "runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "2"}}}
+    assert ingress_options(config.limits, config.server)["ray_actor_options"] == control_actor_options(config.server)
     # Without it, no resources: Ray places them on any node.
     assert control_actor_options(parse_config({"models": [{"name": "m", "source": "x"}]}).server) == {"num_cpus": 0}
