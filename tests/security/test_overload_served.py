@@ -38,7 +38,7 @@ MAX_NUM_SEQS = 16
 # Queue admitted per replica however slowly the engines finish: the allowance's floor.
 MIN_QUEUED_PER_REPLICA = 8
 # Seconds into the overloaded minute at which the ingress's memory counts as warm (benchmarks/overload.py
-# --memory: its RSS climbs through the first ~25 s of overload, then holds).
+# --memory: its RSS climbs through the first ~25 s of overload, then holds for the rest of a minute).
 WARM_S = 30
 NUM_CRASH_REQUESTS = 48
 # Streams in the disconnect storm, 128 at a time (four times the shared tiny engine's 32 slots): two waves
@@ -159,8 +159,9 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
     assert max(s["in_flight"] for s in sampler.samples) <= bound
     assert max(s["waiting"] for s in sampler.samples) <= bound
     # Memory: the engines' stays flat. The ingress's climbs while the overload warms it up (by 35-65% over
-    # its pre-flood value in earlier runs), then holds, with no live objects gained after the warm-up
-    # (docs/benchmarks.md, "Ingress memory"): its peak after WARM_S stays within 1.2x its RSS at WARM_S.
+    # its pre-flood value in earlier runs), then holds through the minute: its peak after WARM_S stays within
+    # 1.2x its RSS at WARM_S. (Over 5 minutes it can grow further, in native steps with no Python object
+    # gained: docs/benchmarks.md, "Ingress memory".)
     ingress = [(round(s["t"]), s["ingress_rss"] // 2**20) for s in sampler.samples]
     assert warm and max(warm) <= 1.2 * warm[0], ingress
     assert max(s["ingress_rss"] for s in sampler.samples) < 2 * baseline["ingress_rss"], ingress
