@@ -24,6 +24,7 @@ import yaml
 from cluster_helpers import metric_values, send_workload, wait_all_idle
 from conftest import SERVED_MODELS
 from factories import model_entry
+from fleetserve.deployments.ingress.protocol import HEADER_PREFILL_REPLICA
 from fleetserve.loadtest.datasets import RequestSpec
 from fleetserve.loadtest.local_server import free_port
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
@@ -163,7 +164,7 @@ def complete_prefilled_remotely(base_url: str, model: str, timeout_s: float) -> 
     deadline = time.monotonic() + timeout_s
     while True:
         answer = complete(base_url, model)
-        if (answer.status_code != 200 or "x-fleetserve-prefill-replica" in answer.headers
+        if (answer.status_code != 200 or HEADER_PREFILL_REPLICA in answer.headers
                 or time.monotonic() > deadline):
             return answer
         time.sleep(1)
@@ -194,7 +195,7 @@ def test_prefill_on_one_node_and_decode_on_another_equal_colocated_output(platfo
     reference = httpx.post(f"{served.api_url}/completions", json={"model": "smollm2", **body}, timeout=120)
     assert pd.status_code == 200, pd.text
     # Prefilled by a's replica and decoded by b's, from the KV that NIXL moved between the two nodes' engines.
-    assert pd.headers["x-fleetserve-pool"] == "decode" and pd.headers["x-fleetserve-prefill-replica"]
+    assert pd.headers["x-fleetserve-pool"] == "decode" and pd.headers[HEADER_PREFILL_REPLICA]
     assert pd.json()["choices"][0]["text"] == reference.json()["choices"][0]["text"]
 
 
@@ -263,7 +264,7 @@ def test_a_node_lost_under_load_fails_fast_and_its_replicas_return_on_a_new_node
     assert complete(platform.base_url, "small").status_code == 200
     local = complete(platform.base_url, "pd")
     assert local.status_code == 200, local.text
-    assert "x-fleetserve-prefill-replica" not in local.headers and local.headers["x-fleetserve-pool"] == "decode"
+    assert HEADER_PREFILL_REPLICA not in local.headers and local.headers["x-fleetserve-pool"] == "decode"
     # A replacement node (what a RayService's worker group would start) takes the lost replicas.
     cluster.start_node("a2", WORKERS["a"])
     replaced = {("small", "colocated"): ["a2", "b"], ("pd", "prefill"): ["a2"], ("pd", "decode"): ["b"]}
@@ -281,7 +282,7 @@ def test_a_node_lost_under_load_fails_fast_and_its_replicas_return_on_a_new_node
     # pd's decode replica prefills remotely again once it sees the new prefill replica RUNNING in Serve's status
     # (the replica's node report above can come first; the decode side's count is up to 2 s old).
     remote = complete_prefilled_remotely(platform.base_url, "pd", timeout_s=30)
-    assert remote.status_code == 200 and "x-fleetserve-prefill-replica" in remote.headers, remote.headers
+    assert remote.status_code == 200 and HEADER_PREFILL_REPLICA in remote.headers, remote.headers
     # No port lease outlived its engine: a's replicas' leases went with them, and the four replicas serving
     # now hold the only ones (NIXL side channels of pd's prefill and decode, KV event ports of small's two).
     owners = set(json.loads(cluster.port_registry.read_text()).values())
