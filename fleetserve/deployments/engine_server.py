@@ -26,7 +26,7 @@ from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import Engine
 from fleetserve.platform.kv_transfer import KVTransferSpec
-from fleetserve.platform.metrics import EngineMetrics
+from fleetserve.platform.metrics import EngineMetrics, StartupPhase
 from fleetserve.platform.model_store import resolve_source
 from fleetserve.platform.relay import relay, request_headers
 from fleetserve.platform.replica_adapters import ReplicaAdapters
@@ -66,11 +66,15 @@ class EngineServer:
         self._autoscaling_reporter = ReplicaReporter(replica_id, self.pool)
         self._routing_reporter = ReplicaReporter(replica_id, self.pool)
         self._hub_reporter = ReplicaReporter(replica_id, self.pool)
-        path = Path(model_path) if model_path is not None else resolve_source(model.source)
+        self.metrics.set_start_time(time.time())
+        with self.metrics.startup_phase(StartupPhase.MODEL_FILES):
+            path = Path(model_path) if model_path is not None else resolve_source(model.source)
         extra = {"kv_transfer": kv_transfer} if kv_transfer is not None else {}
         if kv_events_port is not None:
             extra["kv_events_port"] = kv_events_port
-        self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics], **extra)
+        with self.metrics.startup_phase(StartupPhase.ENGINE):
+            self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics],
+                                            **extra)
         # The model's LoRA adapters (None without lora:); the names the engine holds, for the router.
         self.adapters = ReplicaAdapters(path) if model.lora is not None else None
         self.resident_adapter_names: list[str] = []
@@ -198,13 +202,15 @@ class ServeReplica:
         self._publisher = loop.create_task(self._publish()) if metrics_hub else None
 
     async def _warm_up(self) -> Any:
-        app = await self.engine.openai_app()
-        if self.adapters is not None and self._hub is not None:
-            # A replica started after adapters changed at run time serves the current set from its first request.
-            try:
-                await self.sync_adapters(await self._hub.adapter_set.remote(self.model.name))
-            except Exception:  # noqa: BLE001 - serve the configured set; the publish loop syncs again
-                logger.warning("adapter sync at start failed; serving the configured adapters", exc_info=True)
+        with self.metrics.startup_phase(StartupPhase.APP):
+            app = await self.engine.openai_app()
+            if self.adapters is not None and self._hub is not None:
+                # A replica started after adapters changed at run time serves the current set from its first
+                # request.
+                try:
+                    await self.sync_adapters(await self._hub.adapter_set.remote(self.model.name))
+                except Exception:  # noqa: BLE001 - serve the configured set; the publish loop syncs again
+                    logger.warning("adapter sync at start failed; serving the configured adapters", exc_info=True)
         return app
 
     async def _serving_app(self) -> Any:

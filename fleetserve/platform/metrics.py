@@ -7,9 +7,11 @@ and ``pool``; the serving layer publishes the exposition and the ingress serves 
 
 from __future__ import annotations
 
+import enum
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
-
-from collections.abc import Iterable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
@@ -18,6 +20,17 @@ from prometheus_client.parser import text_string_to_metric_families
 disable_created_metrics()
 
 LABELS = ("model_name", "replica", "pool")
+
+
+class StartupPhase(str, enum.Enum):
+    """What an engine replica does between its constructor and serving, timed one after another."""
+
+    # The model's HF folder found on local disk, or built there once (a GGUF converted, then cached).
+    MODEL_FILES = "model_files"
+    # vLLM's AsyncLLM built: its engine-core and worker processes started, weights loaded, KV cache allocated.
+    ENGINE = "engine"
+    # vLLM's OpenAI serving objects built over the engine (and the adapter set synced).
+    APP = "app"
 
 # vLLM's default bucket bounds (vllm/v1/metrics/buckets.py), used when vLLM is not importable.
 _FALLBACK_BUCKETS = {
@@ -42,8 +55,11 @@ def _buckets(family: str) -> list[float]:
 class EngineMetrics:
     """vLLM-named metrics of one engine replica, fed from the engine's stat logger."""
 
-    def __init__(self, model_name: str, replica: str, pool: str = "colocated", max_loras: int | None = None) -> None:
-        """Args: ``max_loras``, the engine's LoRA slots; None (no LoRA) leaves out vllm:lora_requests_info."""
+    def __init__(self, model_name: str, replica: str, pool: str = "colocated", max_loras: int | None = None,
+                 clock: Any = time.monotonic) -> None:
+        """Args: ``max_loras``, the engine's LoRA slots; None (no LoRA) leaves out vllm:lora_requests_info;
+        ``clock``, monotonic seconds for timing start-up phases."""
+        self._clock = clock
         self.registry = CollectorRegistry(auto_describe=True)
         values = (model_name, replica, pool)
 
@@ -86,6 +102,22 @@ class EngineMetrics:
                                  [*LABELS, "max_lora", "waiting_lora_adapters", "running_lora_adapters"],
                                  registry=self.registry) if max_loras is not None else None)
         self._lora_labels: tuple[str, ...] | None = None
+        self._start_time = gauge("fleetserve_replica_start_time_seconds",
+                                 "When the engine replica's constructor began, in Unix seconds.")
+        self._startup = Gauge("fleetserve_replica_startup_seconds", "Seconds an engine replica spent in each phase "
+                              "of its start.", [*LABELS, "phase"], registry=self.registry)
+
+    def set_start_time(self, unix_s: float) -> None:
+        """Records when the replica's constructor began (a cold start's request time subtracted from it is
+        the actor's start: scheduling, worker process, imports)."""
+        self._start_time.set(unix_s)
+
+    @contextmanager
+    def startup_phase(self, phase: StartupPhase) -> Iterator[None]:
+        """Times the block as one phase of the replica's start (not recorded if the block raises)."""
+        began = self._clock()
+        yield
+        self._startup.labels(*self._values, phase.value).set(self._clock() - began)
 
     def set_node(self, node_id: str, node_ip: str) -> None:
         """Names the Ray node this replica runs on (``fleetserve_replica_node_info``, always 1)."""

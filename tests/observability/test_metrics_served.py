@@ -99,6 +99,21 @@ def test_every_dashboard_metric_is_in_a_live_scrape(two_replica_app):
     assert wait_for(lambda: not missing()), f"not in /metrics: {sorted(missing())}"
 
 
+def test_every_replica_reports_when_it_started_and_each_start_phase(two_replica_app):
+    send(two_replica_app.base_url, 2)
+    families = scrape(two_replica_app.base_url)
+    replicas = replicas_of(families, "vllm:num_requests_running", MODEL)
+    started = {s.labels["replica"]: s.value for f in families for s in f.samples
+               if s.name == "fleetserve_replica_start_time_seconds" and s.labels["model_name"] == MODEL}
+    phases = {(s.labels["replica"], s.labels["phase"]): s.value for f in families for s in f.samples
+              if s.name == "fleetserve_replica_startup_seconds" and s.labels["model_name"] == MODEL}
+    assert len(replicas) == 2 and set(started) == replicas
+    # Each replica began before this scrape, and timed all three phases (the app's was done: it served).
+    assert all(0 < value < time.time() for value in started.values())
+    assert set(phases) == {(replica, phase) for replica in replicas for phase in ("model_files", "engine", "app")}
+    assert all(value >= 0 for value in phases.values())
+
+
 def test_status_once_shows_each_replica(two_replica_app):
     send(two_replica_app.base_url, 2)
     done = subprocess.run([sys.executable, "-m", "fleetserve.cli", "status", "--url", two_replica_app.base_url,

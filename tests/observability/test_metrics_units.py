@@ -4,11 +4,12 @@ import json
 import re
 from pathlib import Path
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
 
 from fleetserve.deployments.ingress.metrics import IngressMetrics
-from fleetserve.platform.metrics import EngineMetrics, merge_expositions
+from fleetserve.platform.metrics import EngineMetrics, StartupPhase, merge_expositions
 from fleetserve.ops.status import parse_metrics, status_table
 
 DASHBOARD = Path(__file__).resolve().parents[2] / "helm" / "fleetserve" / "dashboards" / "fleetserve.json"
@@ -99,6 +100,24 @@ def test_node_info_names_the_replica_and_its_node():
     assert samples(metrics.exposition())[("fleetserve_replica_node_info", (
         ("model_name", "m"), ("node_id", "ab" * 28), ("node_ip", "10.0.0.7"), ("pool", "decode"),
         ("replica", "r0")))] == 1.0
+
+
+def test_startup_phases_are_timed_and_a_phase_that_raises_is_not_recorded():
+    ticks = iter([10.0, 12.5, 20.0, 61.0, 70.0])
+    metrics = EngineMetrics("m", "r0", clock=lambda: next(ticks))
+    metrics.set_start_time(1_800_000_000.0)
+    with metrics.startup_phase(StartupPhase.MODEL_FILES):  # 10.0 -> 12.5
+        pass
+    with metrics.startup_phase(StartupPhase.ENGINE):  # 20.0 -> 61.0
+        pass
+    with pytest.raises(RuntimeError), metrics.startup_phase(StartupPhase.APP):  # began at 70.0, never ended
+        raise RuntimeError("vLLM's app failed")
+    got = samples(metrics.exposition())
+    phases = {dict(labels)["phase"]: value for (name, labels), value in got.items()
+              if name == "fleetserve_replica_startup_seconds"}
+    assert phases == {"model_files": 2.5, "engine": 41.0}
+    assert got[("fleetserve_replica_start_time_seconds",
+                (("model_name", "m"), ("pool", "colocated"), ("replica", "r0")))] == 1_800_000_000.0
 
 
 def dashboard_metric_names() -> set[str]:
