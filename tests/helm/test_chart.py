@@ -184,6 +184,30 @@ def test_optional_objects_appear_only_when_enabled():
     assert "PodDisruptionBudget" not in {o["kind"] for o in render({"podDisruptionBudget": {"enabled": False}})}
 
 
+def test_every_pod_mounts_the_model_cache_and_points_both_caches_into_it():
+    service = find(render({"workerGroups": {"colocated-3g-40gb": MIG_GROUP}}), "RayService")["spec"]
+    cluster = service["rayClusterConfig"]
+    pods = [cluster["headGroupSpec"]["template"]["spec"],
+            *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]
+    for pod in pods:
+        assert {"name": "model-cache", "hostPath": {"path": "/var/cache/fleetserve", "type": "DirectoryOrCreate"}} \
+            in pod["volumes"]
+        [container] = pod["containers"]
+        assert {"name": "model-cache", "mountPath": "/var/cache/fleetserve"} in container["volumeMounts"]
+        assert {"name": "FLEETSERVE_CACHE", "value": "/var/cache/fleetserve/models"} in container["env"]
+        assert {"name": "VLLM_CACHE_ROOT", "value": "/var/cache/fleetserve/vllm"} in container["env"]
+
+
+def test_the_model_cache_takes_a_claim_or_can_be_left_out():
+    head = find(render({"modelCache": {"existingClaim": "fleetserve-cache"}}),
+                "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "fleetserve-cache"}} \
+        in head["template"]["spec"]["volumes"]
+    head = find(render({"modelCache": {"enabled": False}}), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    assert [volume["name"] for volume in head["template"]["spec"]["volumes"]] == ["api-keys"]
+    assert "env" not in head["template"]["spec"]["containers"][0]
+
+
 @pytest.mark.parametrize("values, message", [
     ({"gpu": {"migStrategy": "partial", "product": "x"}}, "value must be one of 'mixed', 'single', 'none'"),
     ({"workerGroups": {"Decode_Pool": MIG_GROUP}}, "does not match pattern"),
@@ -191,6 +215,7 @@ def test_optional_objects_appear_only_when_enabled():
     ({"workerGroups": {"g": {**MIG_GROUP, "replicas": -1}}}, "/workerGroups/g/replicas"),
     ({"replicaCount": 3}, "additional properties 'replicaCount' not allowed"),
     ({"platform": {"models": []}}, "/platform/models"),
+    ({"modelCache": {"hostPath": "cache"}}, "/modelCache/hostPath"),
 ])
 def test_invalid_values_are_rejected_with_the_key_path(values, message):
     with pytest.raises(helm.HelmValuesError, match=message):

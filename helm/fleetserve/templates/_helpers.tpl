@@ -66,10 +66,19 @@ resources: {{ printf "{\"mig-%s\": 1}" .group.migProfile | quote }}
 {{- define "fleetserve.container" -}}
 image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
+{{- if .Values.modelCache.enabled }}
+env:
+  - {name: FLEETSERVE_CACHE, value: /var/cache/fleetserve/models}
+  - {name: VLLM_CACHE_ROOT, value: /var/cache/fleetserve/vllm}
+{{- end }}
 volumeMounts:
   - name: api-keys
     mountPath: /etc/fleetserve
     readOnly: true
+  {{- if .Values.modelCache.enabled }}
+  - name: model-cache
+    mountPath: /var/cache/fleetserve
+  {{- end }}
 {{- end -}}
 
 {{- define "fleetserve.volumes" -}}
@@ -77,4 +86,12 @@ volumeMounts:
   secret:
     secretName: {{ include "fleetserve.apiKeysSecret" . }}
     optional: true
+{{- if .Values.modelCache.enabled }}
+- name: model-cache
+  {{- if .Values.modelCache.existingClaim }}
+  persistentVolumeClaim: {claimName: {{ .Values.modelCache.existingClaim | quote }}}
+  {{- else }}
+  hostPath: {path: {{ .Values.modelCache.hostPath | quote }}, type: DirectoryOrCreate}
+  {{- end }}
+{{- end }}
 {{- end -}}
