@@ -15,8 +15,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def wait_until_ready(base_url: str, timeout_s: float = 600.0, process=None) -> None:
-    """Polls ``/health`` until the server answers.
+def wait_until_ready(base_url: str, timeout_s: float = 600.0, process=None, poll_s: float = 0.5) -> None:
+    """Polls ``/health`` every ``poll_s`` until the server answers.
 
     Raises:
         RuntimeError: the server exited or did not answer in time.
@@ -30,5 +30,5 @@ def wait_until_ready(base_url: str, timeout_s: float = 600.0, process=None) -> N
                 return
         except httpx.HTTPError:
             pass
-        time.sleep(0.5)
+        time.sleep(poll_s)
     raise RuntimeError(f"{base_url} was not ready after {timeout_s:.0f} s")
