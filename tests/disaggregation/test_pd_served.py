@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 import cluster_helpers
-from cluster_helpers import kill, wait_until_healthy
+from cluster_helpers import kill
 from conftest import Served
 from factories import model_entry
 from fleetserve.deployments.ingress.protocol import HEADER_POOL, HEADER_PREFILL_REPLICA, HEADER_REPLICA
@@ -39,9 +39,9 @@ def pd_app(served) -> Served:
         "disaggregation": {"prefill": pool, "decode": pool, "max_prefill_attempts": 3, "prefill_timeout_s": 30}}]})
     serve.run(build_app(config), name="pd", route_prefix="/pd")
     yield Served(base_url=f"{served.base_url}/pd", config=config, handles={})
-    # The kill tests leave Serve starting replacements; deleting mid-start would leave their engines
-    # loading in the background, skewing later timing-sensitive tests. Let them come up, then delete.
-    wait_until_healthy("pd")
+    # The kill tests leave Serve starting a replacement. Deleting at once stops it with its engine's processes
+    # (serve.delete returns once the replicas are gone; a replica deleted mid-start left no vLLM process behind
+    # when tried), where waiting for it to come up first cost ~55 s of the suite.
     serve.delete("pd")
 
 
