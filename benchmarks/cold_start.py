@@ -59,7 +59,7 @@ def model_entry(variant: str) -> dict:
     }[variant.removesuffix("-compiled")]
     return {"name": variant, "source": source, "replicas": 1,
             "engine_args": {"dtype": "float32", "max_num_seqs": 32, **engine,
-                            "extra": {"enforce_eager": True} if eager else {}},
+                            "extra": {"enforce_eager": eager}},
             "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]},
             "autoscaling": {"policy": "kv_cache", "min_replicas": 0, "max_replicas": 1, "idle_to_zero_s": 3,
                             "scale_down_cooldown_s": 0, "downscale_stabilization_s": 0, "decision_period_s": 0.5,

@@ -172,7 +172,7 @@ class Engine:
 
         frontend = frontend_args(model, model_path)
 
-        kwargs = model.engine_kwargs()
+        kwargs = scale_to_zero_defaults(model, model.engine_kwargs(), on_cpu=_on_cpu())
         if model.api.reasoning_parser is not None:
             # An engine arg in vLLM: structured outputs must know where reasoning ends.
             kwargs.setdefault("reasoning_parser", model.api.reasoning_parser)
@@ -370,6 +370,25 @@ class _ObservedClient:
                 yield output
         finally:
             self._engine.num_pending_prompt_tokens -= pending
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def scale_to_zero_defaults(model: ModelConfig, kwargs: dict[str, Any], on_cpu: bool) -> dict[str, Any]:
+    """The engine args with what a pool that scales to zero gets unless it sets it: on CPU, eager mode.
+
+    torch.compile added ~88 s to SmolLM2's 49 s cold start on CPU (docs/benchmarks.md, "Cold start from
+    zero"), and every wake from zero pays it. ``engine_args.extra.enforce_eager: false`` keeps compiling.
+    """
+    if (not on_cpu or model.autoscaling is None or model.autoscaling.min_replicas > 0
+            or "enforce_eager" in kwargs):
+        return kwargs
+    logger.info("%s scales to zero on CPU: eager mode (set engine_args.extra.enforce_eager to choose)", model.name)
+    return {**kwargs, "enforce_eager": True}
 
 
 def plan_cpu_binding(num_engines: int, num_cores: int) -> list[str]:

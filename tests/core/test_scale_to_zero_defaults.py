@@ -1,0 +1,29 @@
+"""Engine args a pool that scales to zero gets by default: eager on CPU, where compiling lengthens every wake."""
+
+import pytest
+
+from fleetserve.platform.config import parse_config
+from fleetserve.platform.engine import scale_to_zero_defaults
+
+
+def model(min_replicas: int | None, **extra):
+    autoscaling = ({"autoscaling": {"policy": "kv_cache", "min_replicas": min_replicas, "max_replicas": 2}}
+                   if min_replicas is not None else {})
+    return parse_config({"models": [{"name": "m", "source": "tiny-random-llama", "engine_args": {"extra": extra},
+                                     **autoscaling}]}).models[0]
+
+
+def test_a_pool_at_zero_on_cpu_runs_eagerly():
+    config = model(0)
+    assert scale_to_zero_defaults(config, config.engine_kwargs(), on_cpu=True)["enforce_eager"] is True
+
+
+@pytest.mark.parametrize(("config", "on_cpu"), [
+    (model(0), False),  # a GPU: compiling and CUDA graphs pay for themselves there
+    (model(1), True),  # never at zero: compiled once per replica start
+    (model(None), True),  # fixed replicas
+    (model(0, enforce_eager=False), True),  # the user chose to compile
+], ids=["gpu", "min-one", "no-autoscaling", "chosen"])
+def test_the_default_leaves_other_pools_and_explicit_choices_alone(config, on_cpu):
+    kwargs = config.engine_kwargs()
+    assert scale_to_zero_defaults(config, kwargs, on_cpu=on_cpu) == kwargs
