@@ -32,6 +32,7 @@ class StartupPhase(str, enum.Enum):
     # vLLM's OpenAI serving objects built over the engine (and the adapter set synced).
     APP = "app"
 
+
 # vLLM's default bucket bounds (vllm/v1/metrics/buckets.py), used when vLLM is not importable.
 _FALLBACK_BUCKETS = {
     "time_to_first_token": [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
