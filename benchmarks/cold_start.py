@@ -40,6 +40,7 @@ import numpy as np
 
 from fleetserve.loadtest.local_server import free_port, wait_until_ready
 from fleetserve.platform.config import ModelConfig, parse_config
+from fleetserve.platform.metrics import StartupPhase
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 2**20
@@ -122,23 +123,23 @@ def weights_in(text: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+def samples(url: str) -> list:
+    """Every sample of the platform's /metrics."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
 def scrape_startup(url: str, model: str, timeout_s: float = 10.0) -> tuple[float, dict[str, float]]:
     """(replica start time, {phase: seconds}) of the model's one replica, from the platform's /metrics (a
     replica publishes every second, so the app phase can reach it just after the first token)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
     deadline = time.monotonic() + timeout_s
     while True:
-        start, phases = None, {}
-        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
-            for sample in family.samples:
-                if sample.labels.get("model_name") != model:
-                    continue
-                if sample.name == "fleetserve_replica_start_time_seconds":
-                    start = sample.value
-                elif sample.name == "fleetserve_replica_startup_seconds":
-                    phases[sample.labels["phase"]] = sample.value
-        if start is not None and set(phases) == {"model_files", "engine", "app"}:
+        mine = [sample for sample in samples(url) if sample.labels.get("model_name") == model]
+        start = next((s.value for s in mine if s.name == "fleetserve_replica_start_time_seconds"), None)
+        phases = {s.labels["phase"]: s.value for s in mine if s.name == "fleetserve_replica_startup_seconds"}
+        if start is not None and set(phases) == {phase.value for phase in StartupPhase}:
             return start, phases
         if time.monotonic() > deadline:
             raise RuntimeError(f"{model}: no full startup report in {timeout_s} s ({start}, {phases})")
@@ -155,9 +156,9 @@ def wait_at_zero(url: str, model: ModelConfig) -> None:
     deadline = time.monotonic() + ZERO_TIMEOUT_S
     while time.monotonic() < deadline:
         states = serve.status().applications[APP].deployments[deployment].replica_states
-        text = httpx.get(f"{url}/metrics", timeout=10).text
-        reporting = re.search(rf'fleetserve_replicas{{model="{model.name}",pool="colocated"}} ([0-9.]+)', text)
-        if not any(states.values()) and (reporting is None or float(reporting.group(1)) == 0):
+        reporting = sum(sample.value for sample in samples(url) if sample.name == "fleetserve_replicas"
+                        and sample.labels.get("model") == model.name)
+        if not any(states.values()) and reporting == 0:
             time.sleep(2)  # the ingress's load readings catch up
             return
         time.sleep(0.5)

@@ -160,30 +160,38 @@ def complete(base_url: str, model: str) -> httpx.Response:
                       timeout=60)
 
 
+def retry_until(attempt, done, timeout_s: float):
+    """Calls ``attempt`` every second until ``done`` holds for its result or ``timeout_s`` passes; the last
+    result."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        result = attempt()
+        if done(result) or time.monotonic() > deadline:
+            return result
+        time.sleep(1)
+
+
 def spread_over(base_url: str, model: str, timeout_s: float) -> set[str]:
     """Sends 16 new prompts at once until they land on more than one replica, or the timeout; the replicas
     that answered the last 16 (each of which must be a 200)."""
-    deadline = time.monotonic() + timeout_s
-    for round_id in itertools.count():
+    rounds = itertools.count()
+
+    def attempt() -> set[str]:
+        round_id = next(rounds)
         prompts = [f"fresh {round_id}.{i}: " + " ".join(f"v{(7 * i + j + round_id) % 97}" for j in range(48))
                    for i in range(16)]
         answers = asyncio.run(complete_all(base_url, model, prompts))
         assert [answer.status_code for answer in answers] == [200] * 16, [answer.text for answer in answers]
-        replicas = {answer.headers["x-fleetserve-replica"] for answer in answers}
-        if len(replicas) > 1 or time.monotonic() > deadline:
-            return replicas
-        time.sleep(1)
+        return {answer.headers["x-fleetserve-replica"] for answer in answers}
+
+    return retry_until(attempt, lambda replicas: len(replicas) > 1, timeout_s)
 
 
 def complete_prefilled_remotely(base_url: str, model: str, timeout_s: float) -> httpx.Response:
     """The first answer that names a prefill replica, an error, or the last local answer at the timeout."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        answer = complete(base_url, model)
-        if (answer.status_code != 200 or HEADER_PREFILL_REPLICA in answer.headers
-                or time.monotonic() > deadline):
-            return answer
-        time.sleep(1)
+    return retry_until(lambda: complete(base_url, model),
+                       lambda answer: answer.status_code != 200 or HEADER_PREFILL_REPLICA in answer.headers,
+                       timeout_s)
 
 
 def test_serve_refuses_a_model_no_node_can_host_naming_the_slice(cluster, tmp_path):
