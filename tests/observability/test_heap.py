@@ -3,7 +3,9 @@
 import sys
 import tracemalloc
 
-from fleetserve.deployments.ingress.heap import TRACEMALLOC_ENV, HeapTracker, start_tracing_if_asked
+import memray
+
+from fleetserve.deployments.ingress.heap import MEMRAY_ENV, TRACEMALLOC_ENV, HeapTracker, start_tracing_if_asked
 
 
 class Held:
@@ -49,3 +51,26 @@ def test_tracing_starts_only_when_asked(monkeypatch):
         assert start_tracing_if_asked() is True and tracemalloc.get_traceback_limit() == 4
     finally:
         tracemalloc.stop()
+
+
+def test_native_capture_holds_what_was_allocated_and_kept_after_the_mark(monkeypatch, tmp_path):
+    monkeypatch.setenv(MEMRAY_ENV, str(tmp_path / "native.bin"))
+    before = bytearray(5 * 2**20)  # allocated before the mark: not recorded
+    tracker = HeapTracker()
+    tracker.mark()
+    kept = bytearray(3 * 2**20 + 6)
+    gone = bytearray(2**21)
+    del gone  # allocated and freed after the mark: not live at the end
+    growth = tracker.growth()
+    assert growth.native_capture == str(tmp_path / "native.bin")
+    sizes = [record.size for record in memray.FileReader(growth.native_capture).get_leaked_allocation_records()]
+    # A bytearray's buffer is one malloc of its length plus a NUL: 3 MiB + 6 + 1.
+    assert 3 * 2**20 + 7 in sizes and 5 * 2**20 + 1 not in sizes and 2**21 + 1 not in sizes
+    assert len(before) + len(kept) == 8 * 2**20 + 6
+
+
+def test_native_capture_is_off_without_the_variable(monkeypatch):
+    monkeypatch.delenv(MEMRAY_ENV, raising=False)
+    tracker = HeapTracker()
+    tracker.mark()
+    assert tracker.growth().native_capture == ""
