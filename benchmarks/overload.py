@@ -3,7 +3,8 @@ and with --tenants, a light tenant beside a heavy one's flood, with fair shares 
 
     .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
     .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~6 min
-    .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--worker-env K=V ...]
+    .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--memray] [--worker-env K=V ...]
+    .venv/bin/python benchmarks/overload.py --compare-memory BEFORE.json AFTER.json
 
 The tiny model on 2 replicas (one core each, max_num_seqs 16, eager). Capacity is measured first: a
 closed burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
@@ -21,8 +22,11 @@ B's goodput and p99 TTFT against B alone, and what A got.
 With --memory: the bounded setup alone, for --seconds (default 300), sampling the ingress's resident memory
 every second. After --warmup-s the ingress marks its heap; at the end it reports what the heap gained since:
 live objects by type, and with --tracemalloc N the allocation sites (N frames each; tracing costs the
-ingress CPU). --worker-env sets a variable in every Ray worker (e.g. MALLOC_ARENA_MAX=2, glibc's arenas).
-Results: results/overload/memory*.json and a plot of RSS over time, memory*.png.
+ingress CPU); with --memray, memray records its native allocations from the mark to the end and the
+largest live at its peak and at the end are reported by call stack. --worker-env sets a variable in every Ray
+worker (FLEETSERVE_TUNE_MALLOC=0: glibc untuned, as before the fix).
+Results: results/overload/memory*.json and a plot of RSS over time, memory*.png; --compare-memory plots
+two such results together.
 
 Reported per setup: completed, refused (503 with Retry-After), client timeouts (120 s), throughput,
 TTFT/TPOT medians and p99s of completed requests, goodput (TTFT <= 5 s), peak requests in flight, and
@@ -44,7 +48,7 @@ from fleetserve.loadtest.datasets import RequestSpec
 from fleetserve.loadtest.processes import resident_bytes
 from fleetserve.loadtest.report import save_results
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
-from fleetserve.deployments.ingress.heap import TRACEMALLOC_ENV
+from fleetserve.deployments.ingress.heap import MEMRAY_ENV, TRACEMALLOC_ENV
 from fleetserve.platform.config import parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,14 +143,25 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="the ingress's memory through a long overload")
     parser.add_argument("--warmup-s", type=float, default=30.0, help="--memory: seconds before the heap mark")
     parser.add_argument("--tracemalloc", type=int, default=0, help="--memory: frames per traced allocation")
+    parser.add_argument("--memray", action="store_true",
+                        help="--memory: record the ingress's native allocations from the mark (needs memray)")
     parser.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",
                         help="--memory: an environment variable for every Ray worker (repeatable)")
+    parser.add_argument("--compare-memory", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
+                        help="plot two --memory results together (no run)")
     args = parser.parse_args()
+    if args.compare_memory:
+        plot_memory_runs(args.compare_memory, args.out / "memory-before-after.png")
+        return
     args.seconds = args.seconds or (300.0 if args.memory else 60.0)
     args.out.mkdir(parents=True, exist_ok=True)
     # Ray's workers inherit this process's environment: set before ray.init.
     if args.tracemalloc:
         os.environ[TRACEMALLOC_ENV] = str(args.tracemalloc)
+    if args.memray:
+        capture = args.out / "memory-native.bin"
+        capture.unlink(missing_ok=True)
+        os.environ[MEMRAY_ENV] = str(capture.resolve())
     for assignment in args.worker_env:
         key, _, value = assignment.partition("=")
         os.environ[key] = value
@@ -222,12 +237,13 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
     warm = [rss for t, rss in points if t >= args.warmup_s]
     summary = {"capacity": probe.metrics["request_throughput"], "rate": rate, "seconds": args.seconds,
                "warmup_s": args.warmup_s, "tracemalloc": args.tracemalloc, "worker_env": args.worker_env,
+               "memray": args.memray,
                "completed": result.metrics["completed"], "refused": result.metrics["refused"],
                "rss_points": points, "warm_rss": warm[0], "peak_rss_after_warmup": max(warm),
                "object_gains": growth.object_gains, "site_gains": growth.site_gains,
                "traced_bytes": growth.traced_bytes}
     suffix = "".join(f"-{slug(part)}" for part in ([f"tracemalloc{args.tracemalloc}"] if args.tracemalloc else [])
-                     + args.worker_env)
+                     + (["memray"] if args.memray else []) + args.worker_env)
     (args.out / f"memory{suffix}.json").write_text(json.dumps(summary, indent=1))
     plot_rss(points, args.warmup_s, args.out / f"memory{suffix}.png")
     print(f"{result.metrics['completed']} completed, {result.metrics['refused']} refused; ingress RSS "
@@ -236,6 +252,35 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
     print("objects gained since the mark:", growth.object_gains[:15])
     for site, num_bytes, num_blocks in growth.site_gains[:15]:
         print(f"{num_bytes / 2**10:9.1f} KiB {num_blocks:7d} blocks  {site}")
+    if growth.native_capture:
+        report_native(Path(growth.native_capture))
+
+
+# CPython's own evaluation frames: every Python call has them, so they say nothing about the site.
+INTERPRETER_FRAMES = ("_PyEval", "_PyObject_", "PyObject_", "_PyVectorcall", "_PyFunction", "method_vectorcall",
+                      "cfunction_", "gen_send", "PyGen_am", "do_call_core", "slot_tp", "type_call", "PyIter_Send",
+                      "task_step", "TaskStepMethWrapper")
+
+
+def report_native(capture: Path, num_sites: int = 8, num_frames: int = 10) -> None:
+    """What memray saw natively after the mark, by call stack: the allocations live at the peak, and those
+    still live at the end."""
+    import memray
+
+    reader = memray.FileReader(capture)
+    print(f"native, since the mark ({capture}): peak {reader.metadata.peak_memory / 2**20:.1f} MiB live")
+    for title, records in (("live at the peak", reader.get_high_watermark_allocation_records(merge_threads=True)),
+                           ("live at the end", reader.get_leaked_allocation_records(merge_threads=True))):
+        sites: dict[str, list[int]] = {}
+        for record in records:
+            frames = [function for function, _, _ in record.native_stack_trace()
+                      if not function.startswith(INTERPRETER_FRAMES)]
+            totals = sites.setdefault(" <- ".join(frame[:60] for frame in frames[:num_frames]) or "?", [0, 0])
+            totals[0] += record.size
+            totals[1] += record.n_allocations
+        print(f"{title}: {sum(size for size, _ in sites.values()) / 2**20:.1f} MiB")
+        for stack, (size, num) in sorted(sites.items(), key=lambda item: -item[1][0])[:num_sites]:
+            print(f"{size / 2**20:8.2f} MiB {num:7d}  {stack}")
 
 
 def plot_rss(points: list[tuple[float, int]], warmup_s: float, path: Path) -> None:
@@ -253,6 +298,29 @@ def plot_rss(points: list[tuple[float, int]], warmup_s: float, path: Path) -> No
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+def plot_memory_runs(paths: list[Path], out: Path) -> None:
+    """The ingress's RSS over time in two --memory runs, labelled by their worker environment."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(8, 3.5))
+    for path in paths:
+        run = json.loads(path.read_text())
+        label = ", ".join(run["worker_env"]) or "as shipped"
+        axis.plot([t for t, _ in run["rss_points"]], [rss / 2**20 for _, rss in run["rss_points"]],
+                  label=f"{label}: peak/warm {run['peak_rss_after_warmup'] / run['warm_rss']:.2f}x")
+    axis.axvline(run["warmup_s"], color="grey", linestyle="--", label="warm")
+    axis.set_xlabel("seconds into the overload (2x capacity)")
+    axis.set_ylabel("ingress RSS (MiB)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    print(f"wrote {out}")
 
 
 def tenants(base_url: str, args: argparse.Namespace) -> None:

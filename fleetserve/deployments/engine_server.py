@@ -20,6 +20,7 @@ import ray
 from ray import serve
 
 from fleetserve.autoscaler.serve_adapter import autoscaling_metrics
+from fleetserve.deployments.allocator import tune_for_serving
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterSet
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead
 from fleetserve.platform.asgi_call import call_app
@@ -200,6 +201,8 @@ class ServeReplica:
         self._hub = metrics_hub
         self._app_warmup = loop.create_task(self._warm_up())
         self._publisher = loop.create_task(self._publish()) if metrics_hub else None
+        # Each request's fiber stack, and what a burst leaves in malloc's arenas, back to the kernel.
+        self._allocator_trim = tune_for_serving(loop)
 
     async def _warm_up(self) -> Any:
         with self.metrics.startup_phase(StartupPhase.APP):

@@ -46,6 +46,7 @@ from fleetserve.deployments.ingress.adapters import (
     LocalAdapterCatalog,
 )
 from fleetserve.deployments.ingress.cold_start import ColdStartHold
+from fleetserve.deployments.allocator import tune_for_serving
 from fleetserve.deployments.ingress.heap import HeapGrowth, HeapTracker, start_tracing_if_asked
 from fleetserve.deployments.ingress.limits import LoadSource, WorkLimits, check_request_limits, effective_max_tokens
 from fleetserve.deployments.ingress.model_clients import HandleModelClient, ModelClient
@@ -551,6 +552,8 @@ class IngressDeployment(OpenAIIngress):
                  config: PlatformConfig | None = None) -> None:
         # The whole platform config this app was built from, for `fleetserve apply` to compare against.
         self._platform_config = config
+        # Each request's fiber stack, and what a burst leaves in malloc's arenas, back to the kernel.
+        self._allocator_trim = tune_for_serving(asyncio.get_event_loop())
         start_tracing_if_asked()
         self._heap = HeapTracker()
         source = metrics_hub.collect.remote if metrics_hub is not None else None
