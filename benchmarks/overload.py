@@ -4,7 +4,7 @@ and with --tenants, a light tenant beside a heavy one's flood, with fair shares 
     .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
     .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~6 min
     .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--memray] [--worker-env K=V ...]
-    .venv/bin/python benchmarks/overload.py --compare-memory BEFORE.json AFTER.json
+    .venv/bin/python benchmarks/overload.py --compare-memory RESULT.json ...
 
 The tiny model on 2 replicas (one core each, max_num_seqs 16, eager). Capacity is measured first: a
 closed burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
@@ -26,7 +26,7 @@ ingress CPU); with --memray, memray records its native allocations from the mark
 largest live at its peak and at the end are reported by call stack. --worker-env sets a variable in every Ray
 worker (FLEETSERVE_TUNE_MALLOC=0: glibc untuned, as before the fix).
 Results: results/overload/memory*.json and a plot of RSS over time, memory*.png; --compare-memory plots
-two such results together.
+such results together (memory-compared.png).
 
 Reported per setup: completed, refused (503 with Retry-After), client timeouts (120 s), throughput,
 TTFT/TPOT medians and p99s of completed requests, goodput (TTFT <= 5 s), peak requests in flight, and
@@ -147,11 +147,11 @@ def main() -> None:
                         help="--memory: record the ingress's native allocations from the mark (needs memray)")
     parser.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",
                         help="--memory: an environment variable for every Ray worker (repeatable)")
-    parser.add_argument("--compare-memory", nargs=2, type=Path, metavar=("BEFORE", "AFTER"),
-                        help="plot two --memory results together (no run)")
+    parser.add_argument("--compare-memory", nargs="+", type=Path, metavar="RESULT",
+                        help="plot --memory results together, each labelled by its file name (no run)")
     args = parser.parse_args()
     if args.compare_memory:
-        plot_memory_runs(args.compare_memory, args.out / "memory-before-after.png")
+        plot_memory_runs(args.compare_memory, args.out / "memory-compared.png")
         return
     args.seconds = args.seconds or (300.0 if args.memory else 60.0)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -301,7 +301,7 @@ def plot_rss(points: list[tuple[float, int]], warmup_s: float, path: Path) -> No
 
 
 def plot_memory_runs(paths: list[Path], out: Path) -> None:
-    """The ingress's RSS over time in two --memory runs, labelled by their worker environment."""
+    """The ingress's RSS over time in --memory runs, each labelled by its file name."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -310,7 +310,7 @@ def plot_memory_runs(paths: list[Path], out: Path) -> None:
     figure, axis = plt.subplots(figsize=(8, 3.5))
     for path in paths:
         run = json.loads(path.read_text())
-        label = ", ".join(run["worker_env"]) or "as shipped"
+        label = path.stem.removeprefix("memory-")
         axis.plot([t for t, _ in run["rss_points"]], [rss / 2**20 for _, rss in run["rss_points"]],
                   label=f"{label}: peak/warm {run['peak_rss_after_warmup'] / run['warm_rss']:.2f}x")
     axis.axvline(run["warmup_s"], color="grey", linestyle="--", label="warm")
