@@ -158,13 +158,13 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
     bound = 2 * MAX_NUM_SEQS + max(2 * MIN_QUEUED_PER_REPLICA, 2 * MAX_QUEUE_WAIT_S * capacity)
     assert max(s["in_flight"] for s in sampler.samples) <= bound
     assert max(s["waiting"] for s in sampler.samples) <= bound
-    # Memory: the engines' stays flat. The ingress's climbs while the overload warms it up (by 35-65% over
-    # its pre-flood value in earlier runs), then holds through the minute: its peak after WARM_S stays within
-    # 1.2x its RSS at WARM_S. (The native steps once seen over 5 minutes were fiber stacks kept by glibc, now
+    # Memory: the engines' stays flat. The ingress's climbs while the overload warms it up (by 24-64% over its
+    # pre-flood value before glibc was tuned, 19% after), then holds through the minute: its peak after WARM_S
+    # stays within 1.2x its RSS at WARM_S. (The native steps once seen over 5 minutes were fiber stacks kept by glibc, now
     # tuned; test_allocator_ray.py checks that directly: docs/benchmarks.md, "Ingress memory".)
     ingress = [(round(s["t"]), s["ingress_rss"] // 2**20) for s in sampler.samples]
     assert warm and max(warm) <= 1.2 * warm[0], ingress
-    assert max(s["ingress_rss"] for s in sampler.samples) < 2 * baseline["ingress_rss"], ingress
+    assert max(s["ingress_rss"] for s in sampler.samples) < 1.5 * baseline["ingress_rss"], ingress
     assert max(s["engine_rss"] for s in sampler.samples) < 1.5 * baseline["engine_rss"]
     # And the service answers normally right after.
     assert completion(guarded.base_url).status_code == 200
