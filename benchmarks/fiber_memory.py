@@ -1,7 +1,7 @@
 """Resident memory an async Ray actor keeps after bursts of concurrent tasks: glibc as it is, against the
 tuning fleetserve's Serve replicas apply (fleetserve.deployments.allocator).
 
-    .venv/bin/python benchmarks/fiber_memory.py [--tasks 2000] [--bursts 3]     # ~3 min
+    .venv/bin/python benchmarks/fiber_memory.py [--tasks 2000] [--bursts 3]     # ~2 min
 
 Every task of an async actor runs on a fiber with a 256 KiB stack, so a burst of concurrent requests
 costs the replica memory that glibc may keep after the burst (docs/benchmarks.md, "Ingress memory").
@@ -10,6 +10,7 @@ samples the actor's RSS. Modes:
 
   glibc       the allocator untouched (FLEETSERVE_TUNE_MALLOC=0)
   pinned      the mmap threshold pinned at 128 KiB, no trim
+  trimmed     the periodic trim alone (read after the next trim)
   fleetserve  the pin and the periodic trim, as replicas run (read after the next trim)
 
 Results: results/fiber-memory/fiber-memory.json, a table on stdout, and a plot, fiber-memory.png.
@@ -26,10 +27,11 @@ from pathlib import Path
 
 import ray
 
-from fleetserve.deployments.allocator import TRIM_INTERVAL_S, TUNE_ENV, pin_mmap_threshold, tune_for_serving
+from fleetserve.deployments.allocator import (TRIM_INTERVAL_S, TUNE_ENV, pin_mmap_threshold, trim_periodically,
+                                             tune_for_serving)
 
 ROOT = Path(__file__).resolve().parents[1]
-MODES = ("glibc", "pinned", "fleetserve")
+MODES = ("glibc", "pinned", "trimmed", "fleetserve")
 TASK_S = 3.0
 
 
@@ -40,6 +42,8 @@ class BurstActor:
     def __init__(self, mode: str) -> None:
         if mode == "pinned":
             pin_mmap_threshold()
+        elif mode == "trimmed":
+            self._trim = asyncio.get_event_loop().create_task(trim_periodically())
         elif mode == "fleetserve":
             self._trim = tune_for_serving(asyncio.get_event_loop())
 
@@ -76,7 +80,7 @@ def run_mode(mode: str, num_tasks: int, num_bursts: int) -> dict:
         sample_until(refs, TASK_S + 1.0)
         after_bursts.append(samples[-1][1])
         print(f"{mode}: burst {burst + 1}, RSS {after_bursts[-1]:.0f} MiB after it", flush=True)
-    if mode == "fleetserve":
+    if mode in ("trimmed", "fleetserve"):
         sample_until([], TRIM_INTERVAL_S)  # the next periodic trim falls in this wait
     ray.kill(actor)
     baseline, peak, end = samples[0][1], max(rss for _, rss in samples), samples[-1][1]
