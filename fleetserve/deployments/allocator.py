@@ -70,7 +70,8 @@ async def trim_periodically(interval_s: float = TRIM_INTERVAL_S) -> None:
         trim_free_memory()
 
 
-def tune_for_serving(loop: asyncio.AbstractEventLoop, trim_interval_s: float = TRIM_INTERVAL_S) -> asyncio.Task | None:
+def tune_for_serving(loop: asyncio.AbstractEventLoop,
+                     trim_interval_s: float = TRIM_INTERVAL_S) -> asyncio.Task | None:
     """Pins the mmap threshold and starts the periodic trim on ``loop``; None where glibc is not tunable."""
     if not pin_mmap_threshold():
         return None

@@ -4,8 +4,8 @@ Object counts by type are always available (the garbage collector's view). Alloc
 tracemalloc, which costs CPU on every allocation, so it runs only when FLEETSERVE_TRACEMALLOC names a
 traceback depth (``benchmarks/overload.py --memory --tracemalloc`` sets it for the ingress). Native
 allocations (C and C++ libraries: Ray's core worker, gRPC, the allocator itself) are invisible to both; when
-FLEETSERVE_MEMRAY names a file, memray (a dev tool, not a dependency) records them, with native stacks, from
-the mark to the growth report (``benchmarks/overload.py --memory --memray``).
+FLEETSERVE_MEMRAY names a file, memray (in the dev extra, not a runtime dependency) records them, with
+native stacks, from the mark to the growth report (``benchmarks/overload.py --memory --memray``).
 """
 
 from __future__ import annotations
