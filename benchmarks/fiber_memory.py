@@ -25,6 +25,7 @@ import os
 import time
 from pathlib import Path
 
+import psutil
 import ray
 
 from fleetserve.deployments.allocator import (TRIM_INTERVAL_S, TUNE_ENV, pin_mmap_threshold, trim_periodically,
@@ -55,8 +56,7 @@ class BurstActor:
 
 
 def rss_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as status:
-        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
 def run_mode(mode: str, num_tasks: int, num_bursts: int) -> dict:

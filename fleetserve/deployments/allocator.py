@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import logging
 import os
 
@@ -31,9 +32,8 @@ MMAP_THRESHOLD_BYTES = 128 * 1024
 TRIM_INTERVAL_S = 30.0
 
 
-def _glibc() -> ctypes.CDLL | None:
-    if os.environ.get(TUNE_ENV) == "0":
-        return None
+@functools.cache
+def _load_glibc() -> ctypes.CDLL | None:
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt, libc.malloc_trim  # noqa: B018 - both exist only in glibc
@@ -41,6 +41,10 @@ def _glibc() -> ctypes.CDLL | None:
         logger.info("not glibc: the allocator is left as it is")
         return None
     return libc
+
+
+def _glibc() -> ctypes.CDLL | None:
+    return None if os.environ.get(TUNE_ENV) == "0" else _load_glibc()
 
 
 def pin_mmap_threshold(num_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:

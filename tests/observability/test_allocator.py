@@ -38,10 +38,11 @@ MMAP_PROBE = textwrap.dedent("""
 # from giving the arena's top back by itself. Reports resident KiB after the frees and after a trim.
 TRIM_PROBE = textwrap.dedent("""
     import ctypes
+    import psutil
     from fleetserve.deployments.allocator import trim_free_memory
 
     def rss_kib():
-        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+        return psutil.Process().memory_info().rss // 1024
 
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]

@@ -4,6 +4,7 @@ glibc as it is and with fleetserve's tuning (benchmarks/fiber_memory.py measures
 import asyncio
 import time
 
+import psutil
 import pytest
 import ray
 
@@ -21,7 +22,7 @@ class BurstActor:
         self._trim = tune_for_serving(asyncio.get_event_loop(), trim_interval_s=TRIM_INTERVAL_S)
 
     def rss_kib(self) -> int:
-        return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS"))
+        return psutil.Process().memory_info().rss // 1024
 
     def tuned(self) -> bool:
         return self._trim is not None
