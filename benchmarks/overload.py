@@ -4,6 +4,7 @@ and with --tenants, a light tenant beside a heavy one's flood, with fair shares 
     .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
     .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~6 min
     .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--memray] [--worker-env K=V ...]
+                                            [--cpu-hog 60:60] [--ingress-max-ongoing N]
     .venv/bin/python benchmarks/overload.py --compare-memory RESULT.json ...
 
 The tiny model on 2 replicas (one core each, max_num_seqs 16, eager). Capacity is measured first: a
@@ -24,7 +25,10 @@ every second. After --warmup-s the ingress marks its heap; at the end it reports
 live objects by type, and with --tracemalloc N the allocation sites (N frames each; tracing costs the
 ingress CPU); with --memray, memray records its native allocations from the mark to the end and the
 largest live at its peak and at the end are reported by call stack. --worker-env sets a variable in every Ray
-worker (FLEETSERVE_TUNE_MALLOC=0: glibc untuned, as before the fix).
+worker (FLEETSERVE_TUNE_MALLOC=0: glibc untuned, as before the fix). Each second it also samples how many
+requests Serve has handed to the ingress against how many it admitted; --cpu-hog START:SECONDS starves
+the machine (one spinning process per core) for a while, and --ingress-max-ongoing sets
+limits.ingress_max_ongoing_requests.
 Results: results/overload/memory*.json and a plot of RSS over time, memory*.png; --compare-memory plots
 such results together (memory-compared.png).
 
@@ -40,6 +44,8 @@ import asyncio
 import json
 import os
 import re
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -118,6 +124,56 @@ class MemorySampler(threading.Thread):
                                 resident_bytes(f"ServeReplica:fleetserve:engine-{MODEL}")))
 
 
+class HeldSampler(threading.Thread):
+    """Each second, how many requests Serve has handed to the ingress replica (its own ongoing count, which
+    includes those the ingress's event loop has not reached yet) against how many the ingress has admitted
+    (fleetserve_in_flight_requests): (seconds since start, held, admitted), -1 where the replica or its
+    metrics did not answer within 5 s."""
+
+    def __init__(self, base_url: str, started_at: float) -> None:
+        super().__init__(daemon=True)
+        self.base_url = base_url
+        self.points: list[tuple[float, int, float]] = []
+        self.done = threading.Event()
+        self.started_at = started_at
+
+    def run(self) -> None:
+        import httpx
+        import ray
+
+        name = next(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                    if actor["name"].startswith("SERVE_REPLICA") and "#ingress#" in actor["name"])
+        replica = ray.get_actor(name, namespace="serve")
+        while not self.done.wait(1.0):
+            now = time.monotonic() - self.started_at
+            try:
+                held = ray.get(replica.get_num_ongoing_requests.remote(), timeout=5)
+            except ray.exceptions.GetTimeoutError:
+                # The call waits for one of the replica's actor slots (Serve sets max_concurrency to
+                # max_ongoing_requests): every slot holds a request.
+                self.points.append((now, -1, -1.0))
+                continue
+            try:
+                text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
+            except httpx.HTTPError:
+                self.points.append((now, held, -1.0))
+                continue
+            admitted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                           if line.startswith("fleetserve_in_flight_requests{"))
+            self.points.append((now, held, admitted))
+
+
+def cpu_hog(start_s: float, seconds: float) -> None:
+    """Two processes spinning (one per core) from start_s for seconds: the CPU starvation a noisy neighbour
+    causes, under which the ingress falls behind the requests Serve hands it."""
+    time.sleep(start_s)
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
+    time.sleep(seconds)
+    for spinner in spinners:
+        spinner.kill()
+        spinner.wait()
+
+
 def peak_in_flight(records) -> int:
     """Most requests open at once, from the client's records (start to end, refusals included)."""
     events = sorted([(r.start, 1) for r in records] + [(r.start + (r.e2el or 0.0), -1) for r in records])
@@ -147,6 +203,10 @@ def main() -> None:
                         help="--memory: record the ingress's native allocations from the mark (needs memray)")
     parser.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",
                         help="--memory: an environment variable for every Ray worker (repeatable)")
+    parser.add_argument("--ingress-max-ongoing", type=int, default=None,
+                        help="--memory: limits.ingress_max_ongoing_requests (fleetserve's default otherwise)")
+    parser.add_argument("--cpu-hog", default=None, metavar="START:SECONDS",
+                        help="--memory: two busy processes (one per core) from START s into the overload, for SECONDS")
     parser.add_argument("--compare-memory", nargs="+", type=Path, metavar="RESULT",
                         help="plot --memory results together, each labelled by its file name (no run)")
     args = parser.parse_args()
@@ -210,7 +270,9 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
 
     from fleetserve.deployments.builders import build_app
 
-    serve.run(build_app(parse_config({"models": [model_config()], "limits": SETUPS["bounded"]})),
+    limits = {**SETUPS["bounded"], **({"ingress_max_ongoing_requests": args.ingress_max_ongoing}
+                                       if args.ingress_max_ongoing else {})}
+    serve.run(build_app(parse_config({"models": [model_config()], "limits": limits})),
               name="fleetserve", route_prefix="/")
     ingress = serve.get_deployment_handle("ingress", "fleetserve")
     probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
@@ -223,16 +285,21 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
 
     async def load_with_mark():
         bench = asyncio.ensure_future(run_benchmark(config, specs(int(rate * args.seconds) + 50)))
+        if args.cpu_hog:
+            asyncio.get_running_loop().run_in_executor(None, cpu_hog, *map(float, args.cpu_hog.split(":")))
         await asyncio.sleep(args.warmup_s)
         await ingress.heap_mark.remote()
         return await bench
 
     sampler = MemorySampler()
+    held = HeldSampler(base_url, sampler.started_at)
     sampler.start()
+    held.start()
     result = asyncio.run(load_with_mark())
     growth = ingress.heap_growth.remote(25).result()
-    sampler.done.set()
-    sampler.join()
+    for thread in (sampler, held):
+        thread.done.set()
+        thread.join()
     points = [(t, ingress_rss) for t, ingress_rss, _ in sampler.points]
     warm = [rss for t, rss in points if t >= args.warmup_s]
     summary = {"capacity": probe.metrics["request_throughput"], "rate": rate, "seconds": args.seconds,
@@ -240,15 +307,22 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
                "memray": args.memray,
                "completed": result.metrics["completed"], "refused": result.metrics["refused"],
                "rss_points": points, "warm_rss": warm[0], "peak_rss_after_warmup": max(warm),
+               "held_points": held.points, "ingress_max_ongoing": args.ingress_max_ongoing,
+               "cpu_hog": args.cpu_hog,
                "object_gains": growth.object_gains, "site_gains": growth.site_gains,
                "traced_bytes": growth.traced_bytes}
     suffix = "".join(f"-{slug(part)}" for part in ([f"tracemalloc{args.tracemalloc}"] if args.tracemalloc else [])
-                     + (["memray"] if args.memray else []) + args.worker_env)
+                     + (["memray"] if args.memray else []) + args.worker_env
+                     + ([f"ingress{args.ingress_max_ongoing}"] if args.ingress_max_ongoing else [])
+                     + ([f"hog{args.cpu_hog}"] if args.cpu_hog else []))
     (args.out / f"memory{suffix}.json").write_text(json.dumps(summary, indent=1))
-    plot_rss(points, args.warmup_s, args.out / f"memory{suffix}.png")
+    plot_rss(points, held.points, limits_of(limits).ingress_max_ongoing_requests, args.warmup_s,
+             args.out / f"memory{suffix}.png")
     print(f"{result.metrics['completed']} completed, {result.metrics['refused']} refused; ingress RSS "
           f"{points[0][1] >> 20} MiB at start, {warm[0] >> 20} MiB warm, peak after warm-up "
-          f"{max(warm) >> 20} MiB ({max(warm) / warm[0]:.2f}x warm)")
+          f"{max(warm) >> 20} MiB ({max(warm) / warm[0]:.2f}x warm); requests held by the ingress: peak "
+          f"{max((h for _, h, _ in held.points), default=0)} ({sum(h < 0 for _, h, _ in held.points)} samples with "
+          f"every slot taken), admitted peak {max((a for _, _, a in held.points), default=0):.0f}")
     print("objects gained since the mark:", growth.object_gains[:15])
     for site, num_bytes, num_blocks in growth.site_gains[:15]:
         print(f"{num_bytes / 2**10:9.1f} KiB {num_blocks:7d} blocks  {site}")
@@ -283,7 +357,14 @@ def report_native(capture: Path, num_sites: int = 8, num_frames: int = 10) -> No
             print(f"{size / 2**20:8.2f} MiB {num:7d}  {stack}")
 
 
-def plot_rss(points: list[tuple[float, int]], warmup_s: float, path: Path) -> None:
+def limits_of(limits: dict):
+    from fleetserve.platform.config.front_door import LimitsConfig
+
+    return LimitsConfig(**limits)
+
+
+def plot_rss(points: list[tuple[float, int]], held_points: list[tuple[float, int, float]], max_held: int,
+             warmup_s: float, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,7 +375,17 @@ def plot_rss(points: list[tuple[float, int]], warmup_s: float, path: Path) -> No
     axis.axvline(warmup_s, color="grey", linestyle="--", label="heap mark (warm)")
     axis.set_xlabel("seconds into the overload")
     axis.set_ylabel("MiB")
-    axis.legend()
+    axis.legend(loc="upper left")
+    if held_points:
+        counts = axis.twinx()
+        counts.plot([t for t, h, _ in held_points if h >= 0], [h for _, h, _ in held_points if h >= 0],
+                    color="tab:red", alpha=0.6, label="held by the ingress (Serve)")
+        counts.plot([t for t, h, _ in held_points if h < 0], [max_held for _, h, _ in held_points if h < 0], "x",
+                    color="tab:red", label=f"every slot taken ({max_held})")
+        counts.plot([t for t, _, a in held_points if a >= 0], [a for _, _, a in held_points if a >= 0],
+                    color="tab:green", alpha=0.6, label="admitted")
+        counts.set_ylabel("requests")
+        counts.legend(loc="upper right")
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
