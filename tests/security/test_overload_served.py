@@ -37,8 +37,10 @@ MAX_QUEUE_WAIT_S = 2.0
 MAX_NUM_SEQS = 16
 # Queue admitted per replica however slowly the engines finish: the allowance's floor.
 MIN_QUEUED_PER_REPLICA = 8
-# Seconds into the overloaded minute at which the ingress's memory counts as warm (benchmarks/overload.py
-# --memory: its RSS climbs through the first ~25 s of overload, then holds for the rest of a minute).
+# Seconds of overload: the five minutes through which the ingress's memory must hold (#24).
+OVERLOAD_S = 300
+# Seconds into the overload at which the ingress's memory counts as warm (benchmarks/overload.py --memory:
+# its RSS climbs through the first ~25 s of overload, then holds).
 WARM_S = 30
 NUM_CRASH_REQUESTS = 48
 # Streams in the disconnect storm, 128 at a time (four times the shared tiny engine's 32 slots): two waves
@@ -102,7 +104,7 @@ def specs(num: int, input_words: int = 64, max_tokens: int = 32) -> list[Request
                         max_tokens=max_tokens) for i in range(num)]
 
 
-def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp_path):
+def test_twice_capacity_for_five_minutes_is_refused_cleanly_and_bounded(guarded, tmp_path):
     # Capacity: a closed burst of 96 requests (64 words in, 32 tokens out) saturating both engines.
     probe = asyncio.run(run_benchmark(BenchConfig(base_url=guarded.base_url, model=MODEL, ignore_eos=True,
                                                   max_concurrency=2 * MAX_NUM_SEQS), specs(96)))
@@ -113,13 +115,13 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
     baseline = sampler.sample()
     sampler.start()
     result_path = tmp_path / "overload.json"
-    num_prompts = math.ceil(rate * 60) + 50
+    num_prompts = math.ceil(rate * OVERLOAD_S) + 50
     command = [sys.executable, "-m", "fleetserve.cli", "bench", "--base-url", guarded.base_url, "--model", MODEL,
-               "--request-rate", f"{rate:.3f}", "--max-seconds", "60", "--num-prompts", str(num_prompts),
+               "--request-rate", f"{rate:.3f}", "--max-seconds", str(OVERLOAD_S), "--num-prompts", str(num_prompts),
                "--random-input-len", "64", "--random-output-len", "32", "--ignore-eos", "--timeout", "120",
                "--save-result", str(result_path), "--save-detailed"]
     try:
-        bench = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        bench = subprocess.run(command, capture_output=True, text=True, timeout=OVERLOAD_S + 300)
     finally:
         sampler.done.set()
         sampler.join()
@@ -128,7 +130,7 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
     metrics, records = run["metrics"], run["records"]
     statuses = sorted({record["status_code"] for record in records})
     warm = [s["ingress_rss"] for s in sampler.samples if s["t"] >= WARM_S]
-    print(f"capacity {capacity:.2f} req/s, offered {rate:.2f} req/s for 60 s: {len(records)} sent, "
+    print(f"capacity {capacity:.2f} req/s, offered {rate:.2f} req/s for {OVERLOAD_S} s: {len(records)} sent, "
           f"{metrics['completed']} completed, {metrics['refused']} refused; statuses {statuses}; "
           f"peak in flight {max(s['in_flight'] for s in sampler.samples):.0f}, "
           f"peak waiting {max(s['waiting'] for s in sampler.samples):.0f}; ingress RSS "
@@ -136,11 +138,12 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
           f" ({warm[0] / 2**20 if warm else 0:.0f} MiB at {WARM_S} s),"
           f" engines {baseline['engine_rss'] / 2**20:.0f} -> "
           f"{max(s['engine_rss'] for s in sampler.samples) / 2**20:.0f} MiB")
-    # Every arrival the bench's seeded Poisson schedule (seed 0) puts inside the 60 s was sent: a draw, not
-    # rate × 60 (a CI run's draw at 6.75 req/s had 366 arrivals, 0.9 × rate × 60). An arrival within the last
-    # half second may fall behind the deadline by its wake-up's overshoot.
+    # Every arrival the bench's seeded Poisson schedule (seed 0) puts inside the OVERLOAD_S was sent: a draw, not
+    # rate × OVERLOAD_S (a CI run's draw at 6.75 req/s over 60 s had 366 arrivals, 0.9 × rate × 60). An arrival
+    # within the last half second may fall behind the deadline by its wake-up's overshoot.
     offsets = np.cumsum(inter_arrival_times(num_prompts, float(f"{rate:.3f}")))
-    assert int((offsets < 59.5).sum()) <= len(records) == run["num_requests_sent"] <= int((offsets < 60).sum())
+    assert (int((offsets < OVERLOAD_S - 0.5).sum()) <= len(records) == run["num_requests_sent"]
+            <= int((offsets < OVERLOAD_S).sum()))
     # Counts add up: every request sent either completed or was refused with a Retry-After; none hung
     # (the run ended), none failed any other way.
     assert metrics["completed"] + metrics["refused"] == len(records)
@@ -149,9 +152,9 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
     # Twice capacity offered: at least half is turned away (refusing costs CPU these 2 cores share with
     # the engines), and the rest is served. Throughput and latency figures: docs/benchmarks.md.
     assert 0.4 < metrics["refused"] / len(records) < 0.9
-    assert metrics["completed"] > 0.25 * capacity * 60
+    assert metrics["completed"] > 0.25 * capacity * OVERLOAD_S
     # Bounded: admitted work never exceeds the engines' slots plus the queue allowance, where unbounded
-    # queueing would have reached a minute's excess (60 x capacity). The allowance is 2 s of drain at the
+    # queueing would have reached the whole excess (OVERLOAD_S x capacity). The allowance is 2 s of drain at the
     # engines' completion rate (here up to twice the probe's capacity), but never under the floor of 8 per
     # replica: on a loaded machine (CI's probe measured 3.4 req/s) 2 x 2 s x 3.4 = 13.5 < 16, and the
     # ingress held 32 running + 16 queued = 48.
@@ -159,9 +162,10 @@ def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp
     assert max(s["in_flight"] for s in sampler.samples) <= bound
     assert max(s["waiting"] for s in sampler.samples) <= bound
     # Memory: the engines' stays flat. The ingress's climbs while the overload warms it up (by 24-64% over its
-    # pre-flood value before glibc was tuned, 19% after), then holds through the minute: its peak after WARM_S
-    # stays within 1.2x its RSS at WARM_S. (The native steps once seen over 5 minutes were fiber stacks kept by glibc, now
-    # tuned; test_allocator_ray.py checks that directly: docs/benchmarks.md, "Ingress memory".)
+    # pre-flood value before glibc was tuned, 11-19% after), then holds through the five minutes: its peak after
+    # WARM_S stays within 1.2x its RSS at WARM_S (first run: 245 -> 257 MiB). The native steps once seen were
+    # fiber stacks kept by glibc, now tuned (test_allocator_ray.py); an ingress starved of CPU still grows with
+    # the requests Serve hands it (docs/benchmarks.md, "Ingress memory").
     ingress = [(round(s["t"]), s["ingress_rss"] // 2**20) for s in sampler.samples]
     assert warm and max(warm) <= 1.2 * warm[0], ingress
     assert max(s["ingress_rss"] for s in sampler.samples) < 1.5 * baseline["ingress_rss"], ingress
