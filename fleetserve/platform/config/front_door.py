@@ -32,7 +32,9 @@ class LimitsConfig(Strict):
 
     # Largest request body in bytes (by Content-Length, and counted as it streams); larger ones get a 400.
     max_body_bytes: int = Field(default=4 * MiB, gt=0)
-    # Requests one ingress replica holds at once (each waits on an engine or streams from one).
+    # Requests one ingress replica holds at once (each waits on an engine or streams from one, or is on its
+    # way to a refusal). Each costs the replica ~100 KiB while held (a Ray fiber stack, gRPC call state), and
+    # an ingress starved of CPU fills every slot: this bounds its memory (docs/benchmarks.md).
     ingress_max_ongoing_requests: int = Field(default=4096, gt=0)
     # Requests Serve's proxy may queue for the ingress once every ingress replica holds its most; beyond it,
     # the proxy answers 503 with Retry-After (Serve's plain-text body) instead of queueing without bound.
