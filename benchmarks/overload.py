@@ -140,6 +140,7 @@ class HeldSampler(threading.Thread):
     def run(self) -> None:
         import httpx
         import ray
+        from prometheus_client.parser import text_string_to_metric_families
 
         name = next(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
                     if actor["name"].startswith("SERVE_REPLICA") and "#ingress#" in actor["name"])
@@ -158,8 +159,8 @@ class HeldSampler(threading.Thread):
             except httpx.HTTPError:
                 self.points.append((now, held, -1.0))
                 continue
-            admitted = sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                           if line.startswith("fleetserve_in_flight_requests{"))
+            admitted = sum(sample.value for family in text_string_to_metric_families(text)
+                           for sample in family.samples if sample.name == "fleetserve_in_flight_requests")
             self.points.append((now, held, admitted))
 
 
