@@ -39,8 +39,8 @@ MAX_NUM_SEQS = 16
 MIN_QUEUED_PER_REPLICA = 8
 # Seconds of overload. #24 asks for five minutes; run alone that held (245 -> 257 MiB after warm-up), but in
 # the suite's fresh-clone run (the shared cluster's other apps resident) a five-minute run fell behind: 877
-# completed against 1,718 alone, ingress RSS 274 -> 368 MiB after warm-up (1.34x), the signature of the
-# starved-ingress backlog docs/benchmarks.md measures (its cause there not identified). A minute holds.
+# completed against 1,718 alone, ingress RSS 274 -> 368 MiB after warm-up (1.34x): the signature of the
+# starved-ingress backlog docs/benchmarks.md measures (what took the CPU there is not identified). A minute holds.
 OVERLOAD_S = 60
 # Seconds into the overload at which the ingress's memory counts as warm (benchmarks/overload.py --memory:
 # its RSS climbs through the first ~25 s of overload, then holds).
