@@ -165,8 +165,8 @@ class HeldSampler(threading.Thread):
 
 
 def cpu_hog(start_s: float, seconds: float) -> None:
-    """Two processes spinning (one per core) from start_s for seconds: the CPU starvation a noisy neighbour
-    causes, under which the ingress falls behind the requests Serve hands it."""
+    """One spinning process per core from start_s for seconds: the CPU starvation a noisy neighbour causes,
+    under which the ingress falls behind the requests Serve hands it."""
     time.sleep(start_s)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(os.cpu_count() or 2)]
     time.sleep(seconds)
@@ -207,7 +207,7 @@ def main() -> None:
     parser.add_argument("--ingress-max-ongoing", type=int, default=None,
                         help="--memory: limits.ingress_max_ongoing_requests (fleetserve's default otherwise)")
     parser.add_argument("--cpu-hog", default=None, metavar="START:SECONDS",
-                        help="--memory: two busy processes (one per core) from START s into the overload, for SECONDS")
+                        help="--memory: one busy process per core from START s into the overload, for SECONDS")
     parser.add_argument("--compare-memory", nargs="+", type=Path, metavar="RESULT",
                         help="plot --memory results together, each labelled by its file name (no run)")
     args = parser.parse_args()
@@ -273,8 +273,8 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
 
     limits = {**SETUPS["bounded"], **({"ingress_max_ongoing_requests": args.ingress_max_ongoing}
                                        if args.ingress_max_ongoing else {})}
-    serve.run(build_app(parse_config({"models": [model_config()], "limits": limits})),
-              name="fleetserve", route_prefix="/")
+    app_config = parse_config({"models": [model_config()], "limits": limits})
+    serve.run(build_app(app_config), name="fleetserve", route_prefix="/")
     ingress = serve.get_deployment_handle("ingress", "fleetserve")
     probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
                                                   max_concurrency=32), specs(96)))
@@ -317,7 +317,7 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
                      + ([f"ingress{args.ingress_max_ongoing}"] if args.ingress_max_ongoing else [])
                      + ([f"hog{args.cpu_hog}"] if args.cpu_hog else []))
     (args.out / f"memory{suffix}.json").write_text(json.dumps(summary, indent=1))
-    plot_rss(points, held.points, limits_of(limits).ingress_max_ongoing_requests, args.warmup_s,
+    plot_rss(points, held.points, app_config.limits.ingress_max_ongoing_requests, args.warmup_s,
              args.out / f"memory{suffix}.png")
     print(f"{result.metrics['completed']} completed, {result.metrics['refused']} refused; ingress RSS "
           f"{points[0][1] >> 20} MiB at start, {warm[0] >> 20} MiB warm, peak after warm-up "
@@ -356,12 +356,6 @@ def report_native(capture: Path, num_sites: int = 8, num_frames: int = 10) -> No
         print(f"{title}: {sum(size for size, _ in sites.values()) / 2**20:.1f} MiB")
         for stack, (size, num) in sorted(sites.items(), key=lambda item: -item[1][0])[:num_sites]:
             print(f"{size / 2**20:8.2f} MiB {num:7d}  {stack}")
-
-
-def limits_of(limits: dict):
-    from fleetserve.platform.config.front_door import LimitsConfig
-
-    return LimitsConfig(**limits)
 
 
 def plot_rss(points: list[tuple[float, int]], held_points: list[tuple[float, int, float]], max_held: int,
