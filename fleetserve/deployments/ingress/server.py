@@ -59,6 +59,7 @@ from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig, PlatformConfig
 from fleetserve.deployments.ingress.metrics import IngressMetrics
+from fleetserve.deployments.ingress.middleware import FrontDoorMiddleware
 from fleetserve.platform.metrics import merge_expositions
 from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, routing_text
 
@@ -148,6 +149,9 @@ class OpenAIIngress:
             return None
         return self.front_door.authenticate(request.headers.get("authorization"))
 
+    def _count_request(self, route: str, model: str, status: int) -> None:
+        self.platform_metrics.requests.labels(route, model, str(status)).inc()
+
     def _known(self, name: str) -> bool:
         return (name in self.clients or self.adapters.base_of(name) is not None
                 or (self.routes is not None and self.routes.is_routed(name)))
@@ -177,37 +181,9 @@ class OpenAIIngress:
                        if error.status_code == 405 else str(error.detail))
             return error_response(APIError(message, error.status_code, kind))
 
-        @app.middleware("http")
-        async def limit_body(request: Request, call_next):
-            length = request.headers.get("content-length")
-            if length is not None and length.isdigit() and int(length) > self.limits.max_body_bytes:
-                return error_response(APIError(
-                    f"request body is {int(length)} bytes; the limit is {self.limits.max_body_bytes}", 400,
-                    code="request_too_large"))
-            return await call_next(request)
-
-        @app.middleware("http")
-        async def authenticate(request: Request, call_next):
-            # Before the body is read, so a caller without a key learns nothing but that (as OpenAI does).
-            if self.front_door is not None and not request.url.path.endswith(OPEN_PATHS):
-                try:
-                    request.state.principal = self._principal(request)
-                except APIError as error:
-                    return error_response(error)
-            return await call_next(request)
-
-        # Added last, so outermost: a 401 or an oversized body, refused before routing, is counted too.
-        @app.middleware("http")
-        async def count_requests(request: Request, call_next):
-            response = await call_next(request)
-            # The matched route's template, not the URL: under a Serve route prefix the URL carries it too.
-            # A request refused before routing has none: its path's forwarded route, then.
-            route = getattr(request.scope.get("route"), "path", None) or next(
-                (path for path in FORWARDED_ROUTES if request.url.path.endswith(path)), None)
-            if route in FORWARDED_ROUTES:
-                model = getattr(request.state, "model", None) or "unknown"
-                self.platform_metrics.requests.labels(route, model, str(response.status_code)).inc()
-            return response
+        authenticate = self._principal if self.front_door is not None else None
+        app.add_middleware(FrontDoorMiddleware, authenticate=authenticate, open_paths=OPEN_PATHS, max_body_bytes=lambda: self.limits.max_body_bytes,
+                           count=self._count_request, counted_routes=FORWARDED_ROUTES)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
