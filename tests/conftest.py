@@ -97,7 +97,11 @@ class Served:
 def ray_cluster():
     import ray
 
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=4)
+    from fleetserve.deployments.serve_options import serve_runtime_env
+    from fleetserve.platform.config import ServerConfig
+
+    # As `fleetserve serve` starts its cluster: Serve's proxy on the fast path its replicas take.
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=4, runtime_env=serve_runtime_env(ServerConfig()))
     yield
     ray.shutdown()
 

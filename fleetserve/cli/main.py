@@ -52,6 +52,7 @@ def serve(
     from fleetserve.deployments.builders import build_app
     from fleetserve.deployments.local_run import ClusterError, start_ray
     from fleetserve.deployments.placement import PlacementError
+    from fleetserve.deployments.serve_options import serve_runtime_env
     from fleetserve.platform.model_store import ModelSourceError
     from fleetserve.platform.shm import remove_orphaned_segments
 
@@ -69,7 +70,7 @@ def serve(
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     names = ", ".join(model.name for model in config.models)
     try:
-        with start_ray(verbose, address) as session:
+        with start_ray(verbose, address, serve_runtime_env(config.server)) as session:
             if placement_check:
                 _check_placement(config)
             with console.status(f"deploying {names} (engines take ~30-90 s to start on CPU)"):

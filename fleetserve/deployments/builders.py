@@ -16,8 +16,8 @@ from fleetserve.deployments.engine_server import EngineDeployment
 from fleetserve.deployments.ingress.server import IngressDeployment
 from fleetserve.deployments.metrics_hub import MetricsHubDeployment
 from fleetserve.deployments.serve_options import (control_actor_options, deployment_name, deployment_options,
-                                                  ingress_options)
-from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, parse_config
+                                                  ingress_options, serve_runtime_env)
+from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, ServerConfig, parse_config
 from fleetserve.platform.engine import Engine, plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source
 from fleetserve.platform.openai_app import chat_template_text
@@ -67,20 +67,21 @@ def versioned(deployment: Deployment, version: str) -> Deployment:
 
 
 def _engine_version(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
-                    engine_cls: type[Engine]) -> str:
+                    engine_cls: type[Engine], server: ServerConfig) -> str:
     # Replica counts and autoscaling are Serve options it changes without a restart; other models' core
-    # bindings are theirs.
+    # bindings are theirs; Serve's fast path is set in a replica's environment as it starts.
     shape = model.model_dump(mode="json", exclude={"replicas", "autoscaling"})
     own = {name: bindings[name] for name in (deployment_name(model.pool_model(pool)) for pool in model.pools())}
-    return deployment_version(shape, own, model_path, f"{engine_cls.__module__}.{engine_cls.__qualname__}")
+    return deployment_version(shape, own, model_path, f"{engine_cls.__module__}.{engine_cls.__qualname__}",
+                              serve_runtime_env(server))
 
 
 def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
-                       hub: Any, engine_cls: type[Engine]) -> Application:
+                       hub: Any, engine_cls: type[Engine], server: ServerConfig) -> Application:
     """The deployment the ingress calls for ``model``: its engine, or its decode pool behind a prefill pool."""
-    version = _engine_version(model, bindings, model_path, engine_cls)
+    version = _engine_version(model, bindings, model_path, engine_cls, server)
     if model.disaggregation is None:
-        options = deployment_options(model)
+        options = deployment_options(model, server)
         if model.routing.prefix_source == "kv_events":
             # The router tokenizes prompts as the engines do, to match the blocks their events describe.
             router_kwargs = options["request_router_config"]["request_router_kwargs"]
@@ -89,9 +90,9 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
         return versioned(EngineDeployment.options(**options), version).bind(
             model, bindings[deployment_name(model)], model_path, hub, engine_cls)
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
-    prefill_app = versioned(PrefillDeployment.options(**deployment_options(prefill)), version).bind(
+    prefill_app = versioned(PrefillDeployment.options(**deployment_options(prefill, server)), version).bind(
         model, bindings[deployment_name(prefill)], model_path, hub, engine_cls)
-    return versioned(DecodeDeployment.options(**deployment_options(decode)), version).bind(
+    return versioned(DecodeDeployment.options(**deployment_options(decode, server)), version).bind(
         model, bindings[deployment_name(decode)], model_path, hub, prefill_app, engine_cls)
 
 
@@ -115,7 +116,7 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
     engines = {}
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None
-        engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls)
+        engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls, config.server)
     # Configs cross .bind() as the validated objects themselves (Ray pickles them), not re-validated dicts.
     ingress = versioned(IngressDeployment.options(**ingress_options(config.limits, config.server)),
                         deployment_version(config.model_dump(mode="json")))

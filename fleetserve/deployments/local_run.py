@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import ray
 from ray import serve
@@ -59,7 +60,8 @@ def _serves_platform() -> bool:
 
 
 @contextmanager
-def start_ray(verbose: bool = False, address: str | None = None) -> Iterator[RaySession]:
+def start_ray(verbose: bool = False, address: str | None = None,
+              runtime_env: dict[str, Any] | None = None) -> Iterator[RaySession]:
     """A Ray cluster for as long as the block runs.
 
     Args:
@@ -73,7 +75,7 @@ def start_ray(verbose: bool = False, address: str | None = None) -> Iterator[Ray
             second ``serve`` would replace it: ``fleetserve apply`` is the way to change it).
     """
     if address is None:
-        ray.init(include_dashboard=False, log_to_driver=verbose, configure_logging=verbose)
+        ray.init(include_dashboard=False, log_to_driver=verbose, configure_logging=verbose, runtime_env=runtime_env)
     else:
         join_cluster(address, verbose)
         if _serves_platform():

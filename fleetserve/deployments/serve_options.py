@@ -18,6 +18,10 @@ HEALTH_CHECK_PERIOD_S = 10
 HEALTH_CHECK_TIMEOUT_S = 60
 # Seconds a stopping replica gets to finish its requests.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 20
+# Serve's options for its fast path (ServerConfig.serve_fast_path), read by Serve in every process it
+# starts: RAY_SERVE_THROUGHPUT_OPTIMIZED's set, less direct ingress and its other side effects.
+FAST_PATH_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+                 "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
 
 
 def deployment_name(model: ModelConfig) -> str:
@@ -57,13 +61,24 @@ def request_router_config(routing: RoutingConfig) -> dict[str, Any] | None:
     }
 
 
+def serve_runtime_env(server: ServerConfig) -> dict[str, Any]:
+    """The runtime_env that puts a process on Serve's fast path (empty when ``server.serve_fast_path`` is
+    off): on every replica, and on the cluster ``fleetserve serve`` starts, so its proxies too."""
+    return {"env_vars": dict(FAST_PATH_ENV)} if server.serve_fast_path else {}
+
+
+def _with_runtime_env(actor_options: dict[str, Any], server: ServerConfig) -> dict[str, Any]:
+    runtime_env = serve_runtime_env(server)
+    return {**actor_options, "runtime_env": runtime_env} if runtime_env else actor_options
+
+
 def control_actor_options(server: ServerConfig) -> dict[str, Any]:
     """Ray actor options of the ingress and the metrics hub: no CPU of their own, on the nodes the config
-    names (``server.custom_resources``)."""
+    names (``server.custom_resources``), on Serve's fast path unless the config turns it off."""
     options: dict[str, Any] = {"num_cpus": 0}
     if server.custom_resources:
         options["resources"] = dict(server.custom_resources)
-    return options
+    return _with_runtime_env(options, server)
 
 
 def ingress_options(limits: LimitsConfig, server: ServerConfig) -> dict[str, Any]:
@@ -75,7 +90,7 @@ def ingress_options(limits: LimitsConfig, server: ServerConfig) -> dict[str, Any
             "backpressure_config": {"status_code": 503, "retry_after_s": limits.ingress_retry_after_s}}
 
 
-def deployment_options(model: ModelConfig) -> dict[str, Any]:
+def deployment_options(model: ModelConfig, server: ServerConfig) -> dict[str, Any]:
     """Serve deployment options for one pool of a model (``model.pool_model(pool)``, or the model itself)."""
     resources = model.resources
     actor_options: dict[str, Any] = {"num_cpus": resources.num_cpus, "num_gpus": resources.num_gpus}
@@ -86,7 +101,7 @@ def deployment_options(model: ModelConfig) -> dict[str, Any]:
     options: dict[str, Any] = {
         "name": deployment_name(model),
         "max_ongoing_requests": model.max_ongoing_requests,
-        "ray_actor_options": actor_options,
+        "ray_actor_options": _with_runtime_env(actor_options, server),
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -24,6 +24,15 @@ class InstantEngine:
 
     block_size = 16
     num_pending_prompt_tokens = 0
+    # Seconds between a request's tokens. 0 makes them as fast as the loop runs, and the replica then
+    # coalesces many into each Ray item; an engine's step time (tens of ms) gives one token per item, as a
+    # real engine streams them.
+    step_s: ClassVar[float] = 0.0
+
+    @classmethod
+    def paced(cls, step_s: float) -> type[InstantEngine]:
+        """This engine, making one token per request every ``step_s`` seconds."""
+        return type("PacedInstantEngine", (cls,), {"step_s": step_s})
 
     def __init__(self, model_name: str) -> None:
         self.model_name = model_name
@@ -58,7 +67,7 @@ class InstantEngine:
                     choice = ({"index": 0, "delta": {"content": " t"}, "finish_reason": finish} if chat
                               else {"index": 0, "text": " t", "finish_reason": finish})
                     yield f"data: {json.dumps({**head, 'choices': [choice]}, separators=(',', ':'))}\n\n"
-                    await asyncio.sleep(0)  # one token per step, as an engine streams them
+                    await asyncio.sleep(self.step_s)  # one token per step, as an engine streams them
                 if (body.get("stream_options") or {}).get("include_usage"):
                     yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage}, separators=(',', ':'))}\n\n"
                 yield "data: [DONE]\n\n"

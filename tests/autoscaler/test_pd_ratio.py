@@ -67,7 +67,8 @@ def test_pd_ratio_reaches_each_pools_adapter_through_the_serve_options():
         "prefill": pools, "decode": pools, "pd_ratio": {"min": 0.5}}}]})
     model = config.models[0]
     for pool in ("prefill", "decode"):
-        kwargs = deployment_options(model.pool_model(pool))["autoscaling_config"]["policy"]["policy_kwargs"]
+        options = deployment_options(model.pool_model(pool), config.server)
+        kwargs = options["autoscaling_config"]["policy"]["policy_kwargs"]
         assert kwargs["pd_ratio"] == {"min": 0.5, "max": None} and kwargs["autoscaling"]["pool"] == pool
 
 

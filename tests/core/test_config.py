@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.deployments.serve_options import deployment_options
+from fleetserve.deployments.serve_options import FAST_PATH_ENV, deployment_options
 from fleetserve.platform.config import ConfigError, default_config, load_config, parse_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -34,9 +34,9 @@ def test_engine_args_pass_through_to_vllm_kwargs():
 def test_deployment_options_come_from_config():
     config = parse_config({"models": [{"name": "m", "source": "x", "replicas": 3,
                                        "resources": {"num_cpus": 2, "num_gpus": 1}}]})
-    options = deployment_options(config.models[0])
+    options = deployment_options(config.models[0], config.server)
     assert options["name"] == "engine-m" and options["num_replicas"] == 3
-    assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
+    assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1, "runtime_env": {"env_vars": FAST_PATH_ENV}}
 
 
 @pytest.mark.parametrize(("data", "expected"), [
@@ -112,7 +112,7 @@ def test_kv_event_routing_config_errors(model, expected):
 
 
 def test_kv_event_routing_reaches_the_request_router():
-    model = parse_config({"models": [{"name": "m", "source": "tiny-random-llama",
-                                      "routing": {"prefix_source": "kv_events"}}]}).models[0]
-    kwargs = deployment_options(model)["request_router_config"]["request_router_kwargs"]
+    config = parse_config({"models": [{"name": "m", "source": "tiny-random-llama",
+                                       "routing": {"prefix_source": "kv_events"}}]})
+    kwargs = deployment_options(config.models[0], config.server)["request_router_config"]["request_router_kwargs"]
     assert (kwargs["routing"]["policy"], kwargs["routing"]["prefix_source"]) == ("cache_aware", "kv_events")

@@ -3,7 +3,7 @@
 from factories import model_entry
 
 from fleetserve.deployments.builders import _engine_version
-from fleetserve.platform.config import parse_config
+from fleetserve.platform.config import ServerConfig, parse_config
 from fleetserve.platform.config.diff import diff_configs
 from fleetserve.platform.engine import Engine
 
@@ -35,11 +35,12 @@ def test_serve_version_ignores_replica_counts_and_follows_what_shapes_replicas()
     one, two = config({**model_entry("a"), "replicas": 1}), config({**model_entry("a"), "replicas": 2})
     shorter = config(model_entry("a", max_model_len=512))
 
-    def version(cfg, binding=("0",), others=None):
+    def version(cfg, binding=("0",), others=None, fast_path=True):
         bindings = {"engine-a": list(binding), **(others or {})}
-        return _engine_version(cfg.models[0], bindings, "/models/a", Engine)
+        return _engine_version(cfg.models[0], bindings, "/models/a", Engine, ServerConfig(serve_fast_path=fast_path))
 
     assert version(one) == version(two)          # Serve scales it in place
     assert version(one) != version(shorter)      # new engine args: new replicas
     assert version(one) != version(one, ("1",))  # another core binding: new replicas
     assert version(one) == version(one, others={"engine-b": ["1"]})  # another model added: untouched
+    assert version(one) != version(one, fast_path=False)  # Serve's options are read as a replica starts

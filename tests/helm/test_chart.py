@@ -167,8 +167,8 @@ def test_serve_config_parses_as_a_serve_application_of_our_builder():
     module, attribute = application.import_path.split(":")
     assert callable(getattr(importlib.import_module(module), attribute))
     config = parse_config(application.args["platform"])
-    assert deployment_options(config.models[0])["autoscaling_config"]["max_replicas"] == 4
-    assert deployment_options(config.models[0])["ray_actor_options"]["resources"] == {"mig-3g.40gb": 1}
+    assert deployment_options(config.models[0], config.server)["autoscaling_config"]["max_replicas"] == 4
+    assert deployment_options(config.models[0], config.server)["ray_actor_options"]["resources"] == {"mig-3g.40gb": 1}
 
 
 def test_optional_objects_appear_only_when_enabled():

@@ -191,3 +191,24 @@ async def test_instant_engine_streams_its_tokens_through_the_path():
     # 5 one-token chunks; the usage event the ingress asked for was stripped again.
     assert [p["choices"][0]["text"] for p in payloads] == [" t"] * 5
     assert payloads[-1]["choices"][0]["finish_reason"] == "length"
+
+
+async def test_paced_instant_engine_waits_its_step_between_tokens(monkeypatch):
+    from fleetserve.platform import instant_engine
+
+    waits = []
+
+    async def record(seconds):
+        waits.append(seconds)
+
+    monkeypatch.setattr(instant_engine.asyncio, "sleep", record)
+    paced = instant_engine.InstantEngine.paced(0.03)
+    server = EngineServer(ModelConfig(name="instant", source="unused"), engine_cls=paced, model_path="/unused")
+    app = OpenAIIngress({"instant": LocalModelClient(server)}).build_app()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http:
+        response = await http.post("/v1/completions", json={"model": "instant", "prompt": "x", "max_tokens": 3,
+                                                            "stream": True})
+    assert [p["choices"][0]["text"] for p in sse_payloads(response.text)] == [" t"] * 3
+    # One step after each of the 3 tokens; the unpaced engine only yields (0 s).
+    assert waits == [0.03, 0.03, 0.03]
+    assert instant_engine.InstantEngine.step_s == 0.0

@@ -10,7 +10,7 @@ import pytest
 from fleetserve.autoscaler.policy import KVCachePolicy, QueueDepthPolicy
 from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
 from fleetserve.deployments.serve_options import deployment_options
-from fleetserve.platform.config import parse_config
+from fleetserve.platform.config import ServerConfig, parse_config
 from fleetserve.router.replica.policy import CacheAwarePolicy, CacheAwareThresholds
 from fleetserve.router.replica.serve_adapter import FleetserveRequestRouter
 
@@ -25,7 +25,7 @@ def model(**fields):
 ])
 def test_serve_instantiates_the_configured_autoscaling_policy(autoscaling, policy_class):
     config = model(autoscaling=autoscaling)
-    policy = deployment_options(config)["autoscaling_config"]["policy"]
+    policy = deployment_options(config, ServerConfig())["autoscaling_config"]["policy"]
     kwargs = json.loads(json.dumps(policy["policy_kwargs"]))  # Serve requires JSON-serializable kwargs
     adapter = policy["policy_function"](**kwargs)
     assert isinstance(adapter, ServeAutoscalingPolicy) and isinstance(adapter.policy, policy_class)
@@ -34,14 +34,14 @@ def test_serve_instantiates_the_configured_autoscaling_policy(autoscaling, polic
 
 def test_ray_default_is_serves_own_policy_with_its_knobs():
     options = deployment_options(model(autoscaling={"policy": "ray_default", "target_ongoing_requests": 8,
-                                                    "max_replicas": 5}))["autoscaling_config"]
+                                                    "max_replicas": 5}), ServerConfig())["autoscaling_config"]
     assert "policy" not in options
     assert (options["target_ongoing_requests"], options["max_replicas"], options["upscale_delay_s"]) == (8, 5, 30)
 
 
 def test_serve_instantiates_the_configured_request_router():
     routing = {"policy": "cache_aware", "cache_threshold": 0.25, "balance_abs_threshold": 4}
-    router_config = deployment_options(model(routing=routing))["request_router_config"]
+    router_config = deployment_options(model(routing=routing), ServerConfig())["request_router_config"]
     assert router_config["request_router_class"] is FleetserveRequestRouter
     router = FleetserveRequestRouter.__new__(FleetserveRequestRouter)
     router.initialize_state(**json.loads(json.dumps(router_config["request_router_kwargs"])))
@@ -54,8 +54,23 @@ def test_ingress_and_hub_go_where_server_custom_resources_say():
     from fleetserve.deployments.serve_options import control_actor_options, ingress_options
 
     config = parse_config({"models": [{"name": "m", "source": "x"}],
-                           "server": {"custom_resources": {"node:__internal_head__": 0.001}}})
+                           "server": {"custom_resources": {"node:__internal_head__": 0.001},
+                                      "serve_fast_path": False}})
     assert control_actor_options(config.server) == {"num_cpus": 0, "resources": {"node:__internal_head__": 0.001}}
     assert ingress_options(config.limits, config.server)["ray_actor_options"] == control_actor_options(config.server)
     # Without it, no resources: Ray places them on any node.
-    assert control_actor_options(parse_config({"models": [{"name": "m", "source": "x"}]}).server) == {"num_cpus": 0}
+    assert control_actor_options(ServerConfig(serve_fast_path=False)) == {"num_cpus": 0}
+
+
+def test_every_deployment_runs_on_serves_fast_path_unless_turned_off():
+    from fleetserve.deployments.serve_options import FAST_PATH_ENV, control_actor_options, serve_runtime_env
+
+    on, off = ServerConfig(), ServerConfig(serve_fast_path=False)
+    # The three options of Serve's throughput-optimized mode that keep its topology (no direct ingress).
+    assert serve_runtime_env(on) == {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
+                                                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
+                                                  "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    assert control_actor_options(on) == {"num_cpus": 0, "runtime_env": {"env_vars": FAST_PATH_ENV}}
+    assert deployment_options(model(), on)["ray_actor_options"]["runtime_env"] == {"env_vars": FAST_PATH_ENV}
+    assert serve_runtime_env(off) == {}
+    assert "runtime_env" not in deployment_options(model(), off)["ray_actor_options"]
