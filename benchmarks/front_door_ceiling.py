@@ -2,11 +2,13 @@
 engine that produces tokens instantly (fleetserve.platform.instant_engine), and the CPU each part spends.
 
     .venv/bin/python benchmarks/front_door_ceiling.py [--concurrency 16,64] [--tokens 256] [--step-ms 30]
-        [--env KEY=VALUE ...]
+        [--serve-defaults] [--env KEY=VALUE ...]
 
---env sets Ray Serve options before Ray starts (RAY_SERVE_THROUGHPUT_OPTIMIZED=1, RAY_SERVE_ENABLE_HA_PROXY=1),
-so each run of the script measures one configuration of the path. --step-ms paces the engine as a real one
-steps (one token per request per step), so each token is its own Ray item, as it is in front of vLLM.
+The path runs on Serve's fast path (server.serve_fast_path), as fleetserve serves; --serve-defaults turns it
+off. --env sets more Ray Serve options before Ray starts (RAY_SERVE_THROUGHPUT_OPTIMIZED=1,
+RAY_SERVE_ENABLE_HA_PROXY=1), so each run of the script measures one configuration of the path. --step-ms
+paces the engine as a real one steps (one token per request per step), so each token is its own Ray item,
+as it is in front of vLLM.
 
 The load tester shares the machine's 2 cores with the path, so the tokens/s are a lower bound; the CPU
 milliseconds per token of each front-end process are not, and they decide how many front-end cores a
@@ -37,25 +39,31 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=256, help="output tokens per request")
     parser.add_argument("--num-requests", type=int, default=4, help="requests per concurrent stream")
     parser.add_argument("--env", action="append", default=[], help="KEY=VALUE set before Ray starts")
+    parser.add_argument("--serve-defaults", action="store_true",
+                        help="Serve's default options instead of its fast path (server.serve_fast_path: false)")
     parser.add_argument("--step-ms", type=float, default=0.0,
                         help="milliseconds between a request's tokens: 0 streams them as fast as the path takes "
                              "them (coalesced, many per Ray item); an engine's step time gives one per item")
     args = parser.parse_args()
     # Serve reads its options from the environment when its modules load, in every process Ray starts.
     os.environ.update(dict(item.split("=", 1) for item in args.env))
-    label = (" ".join(args.env) or "defaults") + (f", a token every {args.step_ms:g} ms" if args.step_ms else "")
+    label = ("Serve's defaults" if args.serve_defaults else "fast path") + "".join(f", {item}" for item in args.env) \
+        + (f", a token every {args.step_ms:g} ms" if args.step_ms else "")
 
     import ray
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
+    from fleetserve.deployments.serve_options import serve_runtime_env
     from fleetserve.platform.instant_engine import InstantEngine
 
-    ray.init(include_dashboard=False, log_to_driver=False)
+    config = parse_config({"models": [{"name": "instant", "source": "tiny-random-llama",
+                                       "resources": {"num_cpus": 0.1}}],
+                           "server": {"serve_fast_path": not args.serve_defaults}})
+    # As `fleetserve serve` starts its cluster, so the proxy runs as it would there.
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env=serve_runtime_env(config.server))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    config = parse_config({"models": [{"name": "instant", "source": "tiny-random-llama",
-                                       "resources": {"num_cpus": 0.1}}]})
     engine_cls = InstantEngine.paced(args.step_ms / 1000) if args.step_ms else InstantEngine
     serve.run(build_app(config, engine_cls=engine_cls), name="fleetserve", route_prefix="/")
     url = f"http://127.0.0.1:{port}"

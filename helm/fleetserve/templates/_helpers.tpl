@@ -64,12 +64,23 @@ resources: {{ printf "{\"mig-%s\": 1}" .group.migProfile | quote }}
 {{- end -}}
 
 {{- define "fleetserve.container" -}}
+{{- $server := .Values.platform.server | default dict -}}
+{{- /* hasKey, not default: `default true` would turn an explicit false into true. */ -}}
+{{- $fastPath := ternary $server.serve_fast_path true (hasKey $server "serve_fast_path") -}}
 image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
-{{- if .Values.modelCache.enabled }}
+{{- if or .Values.modelCache.enabled $fastPath }}
 env:
+  {{- if .Values.modelCache.enabled }}
   - {name: FLEETSERVE_CACHE, value: /var/cache/fleetserve/models}
   - {name: VLLM_CACHE_ROOT, value: /var/cache/fleetserve/vllm}
+  {{- end }}
+  {{- if $fastPath }}
+  {{- /* Serve's fast path in every Ray process, its proxies too (fleetserve.deployments.serve_options.FAST_PATH_ENV). */}}
+  - {name: RAY_SERVE_USE_GRPC_BY_DEFAULT, value: "1"}
+  - {name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP, value: "0"}
+  - {name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, value: "0"}
+  {{- end }}
 {{- end }}
 volumeMounts:
   - name: api-keys
