@@ -100,7 +100,7 @@ def ray_cluster():
     from fleetserve.deployments.serve_options import serve_runtime_env
     from fleetserve.platform.config import ServerConfig
 
-    # As `fleetserve serve` starts its cluster: Serve's proxy on the fast path its replicas take.
+    # As `fleetserve serve` starts its cluster: Serve's proxy on the fast path when the default config has it.
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=4, runtime_env=serve_runtime_env(ServerConfig()))
     yield
     ray.shutdown()

@@ -24,15 +24,16 @@ def bounded_app(served):
                                        "resources": {"num_cpus": 0.1}}],
                            "limits": {"ingress_max_ongoing_requests": 1, "ingress_max_queued_requests": 1,
                                       "ingress_retry_after_s": 2}})
-    serve.run(build_app(config, engine_cls=InstantEngine), name="bounded", route_prefix="/bounded")
+    # A token every 10 ms, so a stream holds its slot as long as an engine would, however fast the path.
+    serve.run(build_app(config, engine_cls=InstantEngine.paced(0.01)), name="bounded", route_prefix="/bounded")
     yield f"{served.base_url}/bounded"
     serve.delete("bounded")
 
 
 async def test_beyond_the_ingress_and_its_queue_the_proxy_refuses_with_retry_after(bounded_app):
-    # Each stream of 3000 tokens holds the one ingress slot for seconds (the serving path streams about
-    # 700 tokens/s per core): of 6 sent at once, 1 streams, 1 waits in the proxy's queue, 4 are refused.
-    body = {"model": "instant", "max_tokens": 3000, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    # Each stream of 300 tokens holds the one ingress slot for at least 3 s (300 x 10 ms): of 6 sent at once,
+    # 1 streams, 1 waits in the proxy's queue, 4 are refused.
+    body = {"model": "instant", "max_tokens": 300, "stream": True, "messages": [{"role": "user", "content": "x"}]}
 
     async def send(http: httpx.AsyncClient, delay_s: float) -> httpx.Response:
         await asyncio.sleep(delay_s)
@@ -45,7 +46,7 @@ async def test_beyond_the_ingress_and_its_queue_the_proxy_refuses_with_retry_aft
     statuses = sorted(response.status_code for response in responses)
     assert statuses == [200, 200, 503, 503, 503, 503]
     assert {response.headers.get("retry-after") for response in responses if response.status_code == 503} == {"2"}
-    # The admitted streams ran to the end: 3000 token events and [DONE].
+    # The admitted streams ran to the end: 300 token events and [DONE].
     for response in responses:
         if response.status_code == 200:
-            assert response.text.count("data: ") == 3001
+            assert response.text.count("data: ") == 301

@@ -28,9 +28,10 @@ class ServerConfig(Strict):
     # Ray Serve's faster path between its processes, as its throughput-optimized mode sets it but without
     # direct ingress (which gives every replica an HTTP port of its own): calls between replicas over
     # gRPC, each handle's router on its caller's event loop, user code on the replica's own loop. It cut
-    # the front end's CPU per streamed token 2.5x and raised throughput 20-28% (docs/benchmarks.md). False
-    # keeps Serve's defaults, e.g. where a network policy blocks the replicas' gRPC ports between nodes.
-    serve_fast_path: bool = True
+    # the front end's CPU per streamed token 2.5x and raised throughput 20-28% (docs/benchmarks.md). Off by
+    # default until the ingress's /metrics answers within 10 s under overload on it (it did not, on 2 cores);
+    # the replicas' gRPC ports must be reachable between nodes.
+    serve_fast_path: bool = False
 
 
 class LimitsConfig(Strict):

@@ -65,8 +65,7 @@ resources: {{ printf "{\"mig-%s\": 1}" .group.migProfile | quote }}
 
 {{- define "fleetserve.container" -}}
 {{- $server := .Values.platform.server | default dict -}}
-{{- /* hasKey, not default: `default true` would turn an explicit false into true. */ -}}
-{{- $fastPath := ternary $server.serve_fast_path true (hasKey $server "serve_fast_path") -}}
+{{- $fastPath := and (hasKey $server "serve_fast_path") $server.serve_fast_path -}}
 image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
 {{- if or .Values.modelCache.enabled $fastPath }}
