@@ -4,8 +4,8 @@ engine that produces tokens instantly (fleetserve.platform.instant_engine), and 
     .venv/bin/python benchmarks/front_door_ceiling.py [--concurrency 16,64] [--tokens 256] [--step-ms 30]
         [--serve-defaults] [--env KEY=VALUE ...]
 
-The path runs on Serve's fast path (server.serve_fast_path), as fleetserve serves; --serve-defaults turns it
-off. --env sets more Ray Serve options before Ray starts (RAY_SERVE_THROUGHPUT_OPTIMIZED=1,
+The path runs on Serve's fast path (server.serve_fast_path: true, fleetserve's opt-in); --serve-defaults
+runs Serve's defaults, fleetserve's default. --env sets more Ray Serve options before Ray starts (RAY_SERVE_THROUGHPUT_OPTIMIZED=1,
 RAY_SERVE_ENABLE_HA_PROXY=1), so each run of the script measures one configuration of the path. --step-ms
 paces the engine as a real one steps (one token per request per step), so each token is its own Ray item,
 as it is in front of vLLM.
@@ -60,7 +60,7 @@ def main() -> None:
     config = parse_config({"models": [{"name": "instant", "source": "tiny-random-llama",
                                        "resources": {"num_cpus": 0.1}}],
                            "server": {"serve_fast_path": not args.serve_defaults}})
-    # As `fleetserve serve` starts its cluster, so the proxy runs as it would there.
+    # As `fleetserve serve` starts its cluster with this config, so the proxy runs as it would there.
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env=serve_runtime_env(config.server))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
