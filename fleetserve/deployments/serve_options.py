@@ -74,7 +74,7 @@ def _with_runtime_env(actor_options: dict[str, Any], server: ServerConfig) -> di
 
 def control_actor_options(server: ServerConfig) -> dict[str, Any]:
     """Ray actor options of the ingress and the metrics hub: no CPU of their own, on the nodes the config
-    names (``server.custom_resources``), on Serve's fast path unless the config turns it off."""
+    names (``server.custom_resources``), on Serve's fast path when the config turns it on."""
     options: dict[str, Any] = {"num_cpus": 0}
     if server.custom_resources:
         options["resources"] = dict(server.custom_resources)
