@@ -139,16 +139,6 @@ class OpenAIIngress:
         """Requests admitted and not yet finished, per served model."""
         return self.work.in_flight
 
-    def _principal(self, request: Request) -> Principal | None:
-        """The caller (None when auth is off).
-
-        Raises:
-            APIError: 401 for a missing or unknown key.
-        """
-        if self.front_door is None:
-            return None
-        return self.front_door.authenticate(request.headers.get("authorization"))
-
     def _count_request(self, route: str, model: str, status: int) -> None:
         self.platform_metrics.requests.labels(route, model, str(status)).inc()
 
@@ -181,9 +171,10 @@ class OpenAIIngress:
                        if error.status_code == 405 else str(error.detail))
             return error_response(APIError(message, error.status_code, kind))
 
-        authenticate = self._principal if self.front_door is not None else None
-        app.add_middleware(FrontDoorMiddleware, authenticate=authenticate, open_paths=OPEN_PATHS, max_body_bytes=lambda: self.limits.max_body_bytes,
-                           count=self._count_request, counted_routes=FORWARDED_ROUTES)
+        authenticate = self.front_door.authenticate if self.front_door is not None else None
+        app.add_middleware(FrontDoorMiddleware, authenticate=authenticate, open_paths=OPEN_PATHS,
+                           max_body_bytes=lambda: self.limits.max_body_bytes, count=self._count_request,
+                           counted_routes=FORWARDED_ROUTES)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
