@@ -17,6 +17,7 @@ from fleetserve.loadtest.arrivals import inter_arrival_times
 from fleetserve.loadtest.client import Api, RequestRecord, build_payload, send_request
 from fleetserve.loadtest.datasets import RequestSpec
 from fleetserve.loadtest.metrics import compute_metrics, timeline
+from fleetserve.loadtest.pacing import Pacer
 
 
 class BenchError(RuntimeError):
@@ -177,8 +178,9 @@ async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: htt
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
     records: list[RequestRecord] = []
     started_at = time.time()
-    run_start = time.perf_counter()
-    deadline = run_start + config.max_seconds if config.max_seconds else math.inf
+    pacer = Pacer(stop)
+    run_start = pacer.start
+    max_seconds = config.max_seconds or math.inf
 
     async def one(spec: RequestSpec, model: str) -> None:
         payload = build_payload(spec, config.api, model, config.ignore_eos)
@@ -193,19 +195,12 @@ async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: htt
             on_done(record)
 
     tasks: list[asyncio.Task] = []
-    # Absolute send times: sleeping each gap in turn would add every wake-up's overshoot to the next. A
-    # recorded trace brings its own.
+    # A recorded trace brings its own send times.
     offsets = ([spec.send_at_s for spec in specs] if specs and all(spec.send_at_s is not None for spec in specs)
                else np.cumsum(delays))
     models = request_models(config, len(specs))
-    for spec, model, send_at in zip(specs, models, run_start + np.asarray(offsets, dtype=float), strict=True):
-        wait = send_at - time.perf_counter()
-        if wait > 0:
-            try:
-                await asyncio.wait_for(stop.wait(), timeout=float(wait))
-            except TimeoutError:
-                pass
-        if stop.is_set() or time.perf_counter() >= deadline:
+    for spec, model, offset in zip(specs, models, np.asarray(offsets, dtype=float), strict=True):
+        if not await pacer.wait_until(float(offset)) or pacer.elapsed() >= max_seconds:
             break
         tasks.append(asyncio.create_task(one(spec, model)))
     pending = set(tasks)
@@ -215,7 +210,7 @@ async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: htt
         task.cancel()
     await asyncio.gather(*pending, return_exceptions=True)
     finished = max((record.start + (record.e2el or 0.0) for record in records), default=0.0)
-    duration = finished if records else time.perf_counter() - run_start
+    duration = finished if records else pacer.elapsed()
     metrics = compute_metrics(records, duration, config.percentiles, config.goodput or None)
     return RunResult(config, metrics, sorted(records, key=lambda record: record.start),
                      interrupted=stop.is_set(), started_at=started_at)

