@@ -48,3 +48,15 @@ def model_entry(name: str = "tiny", source: str = "tiny-random-llama", **engine_
     extra = {**TEST_EXTRA_ARGS, **engine_args.pop("extra", {})}
     args.update(engine_args, extra=extra)
     return {"name": name, "source": source, "engine_args": args}
+
+
+class RecordingHandle:
+    """A Serve handle stand-in that records the options each ``.options()`` call asks for."""
+
+    def __init__(self, app_name: str = "fleetserve", deployment_name: str = "engine-tiny") -> None:
+        self.app_name, self.deployment_name = app_name, deployment_name
+        self.option_calls: list[dict[str, Any]] = []
+
+    def options(self, **kwargs: Any) -> RecordingHandle:
+        self.option_calls.append(kwargs)
+        return self

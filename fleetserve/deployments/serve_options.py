@@ -19,9 +19,10 @@ HEALTH_CHECK_TIMEOUT_S = 60
 # Seconds a stopping replica gets to finish its requests.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 20
 # Serve's options for its fast path (ServerConfig.serve_fast_path), read by Serve in every process it
-# starts: RAY_SERVE_THROUGHPUT_OPTIMIZED's set, less direct ingress and its other side effects.
-FAST_PATH_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-                 "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}
+# starts: gRPC between its processes (the proxy's calls included), one of RAY_SERVE_THROUGHPUT_OPTIMIZED's
+# options. Its two event-loop options (routers and user code on the replica's own loop) are left out: alone
+# they saved little, and beside gRPC the ingress fell behind under overload sooner (docs/benchmarks.md).
+FAST_PATH_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
 
 
 def deployment_name(model: ModelConfig) -> str:
@@ -65,6 +66,15 @@ def serve_runtime_env(server: ServerConfig) -> dict[str, Any]:
     """The runtime_env that puts a process on Serve's fast path (empty when ``server.serve_fast_path`` is
     off): on every replica, and on the cluster ``fleetserve serve`` starts, so its proxies too."""
     return {"env_vars": dict(FAST_PATH_ENV)} if server.serve_fast_path else {}
+
+
+def data_path_handle_options() -> dict[str, Any]:
+    """Options for a handle a replica calls on the data path, so the call goes over gRPC when this process
+    is on the fast path. A handle a builder binds carries the transport of the process that built it (the
+    driver, which the replicas' runtime_env does not reach); re-optioned here, the calling replica decides."""
+    from ray.serve._private.constants import RAY_SERVE_USE_GRPC_BY_DEFAULT
+
+    return {"_by_reference": not RAY_SERVE_USE_GRPC_BY_DEFAULT}
 
 
 def _with_runtime_env(actor_options: dict[str, Any], server: ServerConfig) -> dict[str, Any]:

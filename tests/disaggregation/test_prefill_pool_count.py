@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from factories import RecordingHandle
 from fleetserve.deployments.disaggregated import decode_server
 from fleetserve.deployments.disaggregated.decode_server import HandlePrefillClient
 
@@ -18,7 +19,7 @@ def status_with(replica_states: dict[str, int], app: str = "fleetserve", deploym
 
 
 def client() -> HandlePrefillClient:
-    return HandlePrefillClient(SimpleNamespace(app_name="fleetserve", deployment_name="prefill-pd"))
+    return HandlePrefillClient(RecordingHandle(app_name="fleetserve", deployment_name="prefill-pd"))
 
 
 class StatusCalls:

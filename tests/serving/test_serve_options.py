@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from factories import RecordingHandle
 from fleetserve.autoscaler.policy import KVCachePolicy, QueueDepthPolicy
 from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
 from fleetserve.deployments.serve_options import deployment_options
@@ -66,11 +67,27 @@ def test_every_deployment_runs_on_serves_fast_path_when_turned_on():
     from fleetserve.deployments.serve_options import FAST_PATH_ENV, control_actor_options, serve_runtime_env
 
     on, off = ServerConfig(serve_fast_path=True), ServerConfig()
-    # The three options of Serve's throughput-optimized mode that keep its topology (no direct ingress).
-    assert serve_runtime_env(on) == {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-                                                  "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0",
-                                                  "RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0"}}
+    # gRPC between Serve's processes: the one throughput-optimized option that held under overload.
+    assert serve_runtime_env(on) == {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}}
     assert control_actor_options(on) == {"num_cpus": 0, "runtime_env": {"env_vars": FAST_PATH_ENV}}
     assert deployment_options(model(), on)["ray_actor_options"]["runtime_env"] == {"env_vars": FAST_PATH_ENV}
     assert serve_runtime_env(off) == {}
     assert "runtime_env" not in deployment_options(model(), off)["ray_actor_options"]
+
+
+@pytest.mark.parametrize("grpc", [True, False])
+def test_data_path_handles_take_the_calling_replicas_transport(monkeypatch, grpc):
+    import ray.serve._private.constants as serve_constants
+
+    from fleetserve.deployments.disaggregated.decode_server import HandlePrefillClient
+    from fleetserve.deployments.ingress.model_clients import HandleModelClient
+
+    # The replica's own environment says gRPC (or not); a handle bound in the driver carries the driver's.
+    monkeypatch.setattr(serve_constants, "RAY_SERVE_USE_GRPC_BY_DEFAULT", grpc)
+    engine, prefill = RecordingHandle(), RecordingHandle(deployment_name="prefill-tiny")
+    HandleModelClient(engine)
+    HandlePrefillClient(prefill)
+    # Streams to the engine and prefill calls go by gRPC exactly when the process is on the fast path; the
+    # engine's adapter changes (control path, rare) keep Serve's default.
+    assert engine.option_calls == [{"stream": True, "_by_reference": not grpc}, {"stream": False}]
+    assert prefill.option_calls == [{"_by_reference": not grpc}]

@@ -28,6 +28,7 @@ from fleetserve.deployments.disaggregated.prefill_server import (
     prefill_body,
 )
 from fleetserve.deployments.engine_server import EngineServer
+from fleetserve.deployments.serve_options import data_path_handle_options
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.ingress.request_fields import read_fields
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead, RoutingHints
@@ -95,7 +96,7 @@ class HandlePrefillClient:
     """
 
     def __init__(self, handle: Any) -> None:
-        self.handle = handle
+        self.handle = handle.options(**data_path_handle_options())
         self._num_running: int | None = None
         self._checked_at = -POOL_CHECK_PERIOD_S
 

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from fleetserve.deployments.engine_server import EngineServer
+from fleetserve.deployments.serve_options import data_path_handle_options
 from fleetserve.platform.adapter_registry import AdapterOp
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk
 from fleetserve.router.replica import decisions
@@ -51,7 +52,7 @@ class HandleModelClient:
     """Calls an engine deployment through a Serve handle, cancelling it if the stream is dropped."""
 
     def __init__(self, handle: Any) -> None:
-        self.handle = handle.options(stream=True)
+        self.handle = handle.options(stream=True, **data_path_handle_options())
         self._unary = handle.options(stream=False)
 
     async def forward(self, request: ApiRequest) -> AsyncIterator[ReplicaChunk]:

@@ -25,12 +25,11 @@ class ServerConfig(Strict):
     # connections over every node's proxy, and a node's loss drops the connections its proxy held; HeadOnly
     # keeps them all on the head, beside an ingress kept there by custom_resources.
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
-    # Ray Serve's faster path between its processes, as its throughput-optimized mode sets it but without
-    # direct ingress (which gives every replica an HTTP port of its own): calls between replicas over
-    # gRPC, each handle's router on its caller's event loop, user code on the replica's own loop. It cut
-    # the front end's CPU per streamed token 2.5x and raised throughput 20-28% (docs/benchmarks.md). Off by
-    # default until the ingress's /metrics answers within 10 s under overload on it (it did not, on 2 cores);
-    # the replicas' gRPC ports must be reachable between nodes.
+    # Ray Serve's faster path between its processes: calls between replicas, and the proxy's, over gRPC
+    # instead of Ray actor calls (one of its throughput-optimized mode's options). It cut the front end's CPU
+    # per streamed token 2.3x (docs/benchmarks.md). Off by default: under twice capacity on 2 cores the
+    # ingress fell behind on it (requests queued ahead of admission, /metrics past 10 s), where it did not
+    # on Serve's defaults. The replicas' gRPC ports must be reachable between nodes.
     serve_fast_path: bool = False
 
 

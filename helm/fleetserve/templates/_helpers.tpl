@@ -77,8 +77,6 @@ env:
   {{- if $fastPath }}
   {{- /* Serve's fast path in every Ray process, its proxies too (fleetserve.deployments.serve_options.FAST_PATH_ENV). */}}
   - {name: RAY_SERVE_USE_GRPC_BY_DEFAULT, value: "1"}
-  - {name: RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP, value: "0"}
-  - {name: RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD, value: "0"}
   {{- end }}
 {{- end }}
 volumeMounts:
