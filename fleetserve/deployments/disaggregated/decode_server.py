@@ -28,9 +28,9 @@ from fleetserve.deployments.disaggregated.prefill_server import (
     prefill_body,
 )
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.serve_options import data_path_handle_options
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.ingress.request_fields import read_fields
+from fleetserve.deployments.serve_options import data_path_handle_options
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead, RoutingHints
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import Engine, EngineRequestError
