@@ -4,7 +4,7 @@ and with --tenants, a light tenant beside a heavy one's flood, with fair shares 
     .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
     .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~6 min
     .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--memray] [--worker-env K=V ...]
-                                            [--cpu-hog 60:60] [--ingress-max-ongoing N]
+                                            [--cpu-hog 60:60] [--ingress-max-ongoing N] [--rate R]
     .venv/bin/python benchmarks/overload.py --compare-memory RESULT.json ...
 
 The tiny model on 2 replicas (one core each, max_num_seqs 16, eager). Capacity is measured first: a
@@ -27,8 +27,9 @@ ingress CPU); with --memray, memray records its native allocations from the mark
 largest live at its peak and at the end are reported by call stack. --worker-env sets a variable in every Ray
 worker (FLEETSERVE_TUNE_MALLOC=0: glibc untuned, as before the fix). Each second it also samples how many
 requests Serve has handed to the ingress against how many it admitted; --cpu-hog START:SECONDS starves
-the machine (one spinning process per core) for a while, and --ingress-max-ongoing sets
-limits.ingress_max_ongoing_requests.
+the machine (one spinning process per core) for a while, --ingress-max-ongoing sets
+limits.ingress_max_ongoing_requests, and --rate fixes the offered requests/s (so transports whose measured
+capacity differs face the same load).
 Results: results/overload/memory*.json and a plot of RSS over time, memory*.png; --compare-memory plots
 such results together (memory-compared.png).
 
@@ -194,6 +195,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seconds", type=float, default=None, help="of load per setup (60; --memory: 300)")
     parser.add_argument("--factor", type=float, default=2.0)
+    parser.add_argument("--rate", type=float, default=None,
+                        help="--memory: offer this many requests/s instead of --factor x the measured capacity")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "overload")
     parser.add_argument("--tenants", action="store_true", help="a light tenant beside a heavy one's flood")
     parser.add_argument("--heavy-factor", type=float, default=3.0, help="--tenants: A's rate over capacity")
@@ -278,7 +281,7 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
     ingress = serve.get_deployment_handle("ingress", "fleetserve")
     probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
                                                   max_concurrency=32), specs(96)))
-    rate = args.factor * probe.metrics["request_throughput"]
+    rate = args.rate or args.factor * probe.metrics["request_throughput"]
     print(f"capacity: {probe.metrics['request_throughput']:.2f} req/s; offering {rate:.2f} req/s for "
           f"{args.seconds:g} s; heap mark at {args.warmup_s:g} s", flush=True)
     config = BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True, request_rate=rate, seed=1,
