@@ -15,6 +15,7 @@ import numpy as np
 
 from fleetserve.loadtest.arrivals import inter_arrival_times
 from fleetserve.loadtest.client import Api, RequestRecord, build_payload, send_request
+from fleetserve.loadtest.connections import ConnectionPools
 from fleetserve.loadtest.datasets import RequestSpec
 from fleetserve.loadtest.metrics import compute_metrics, timeline
 from fleetserve.loadtest.pacing import Pacer
@@ -153,15 +154,16 @@ async def run_benchmark(config: BenchConfig, specs: Sequence[RequestSpec], stop:
         BenchError: the server is unreachable or does not serve the model.
     """
     stop = stop or asyncio.Event()
-    limits = httpx.Limits(max_connections=config.max_concurrency or None, max_keepalive_connections=None)
+    # max_concurrency is the slots' bound (below), so no pool needs one of its own.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else None
-    async with httpx.AsyncClient(timeout=httpx.Timeout(config.timeout_s, connect=10.0), limits=limits,
-                                 headers=headers) as http:
-        await preflight(config, http)
+    async with ConnectionPools(timeout=httpx.Timeout(config.timeout_s, connect=10.0), limits=limits,
+                               headers=headers) as pools:
+        await preflight(config, pools.first)
         for spec, model in zip(specs[:config.num_warmups], request_models(config, len(specs))):
             payload = build_payload(spec, config.api, model, config.ignore_eos)
-            await send_request(http, config.endpoint, payload, config.api, time.perf_counter())
-        return await _dispatch(config, specs, http, stop, on_done, count_tokens)
+            await send_request(pools.first, config.endpoint, payload, config.api, time.perf_counter())
+        return await _dispatch(config, specs, pools, stop, on_done, count_tokens)
 
 
 def _fill_counts(record: RequestRecord, spec: RequestSpec, count_tokens: Callable[[str], int] | None) -> None:
@@ -171,7 +173,7 @@ def _fill_counts(record: RequestRecord, spec: RequestSpec, count_tokens: Callabl
     record.output_tokens = count_tokens(record.output_text) if count_tokens else len(record.chunk_times)
 
 
-async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: httpx.AsyncClient,
+async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], pools: ConnectionPools,
                     stop: asyncio.Event, on_done: Callable[[RequestRecord], None] | None,
                     count_tokens: Callable[[str], int] | None) -> RunResult:
     delays = inter_arrival_times(len(specs), config.request_rate, config.burstiness, config.seed)
@@ -185,10 +187,10 @@ async def _dispatch(config: BenchConfig, specs: Sequence[RequestSpec], http: htt
     async def one(spec: RequestSpec, model: str) -> None:
         payload = build_payload(spec, config.api, model, config.ignore_eos)
         if slots is None:
-            record = await send_request(http, config.endpoint, payload, config.api, run_start, spec)
+            record = await send_request(pools.next(), config.endpoint, payload, config.api, run_start, spec)
         else:
             async with slots:
-                record = await send_request(http, config.endpoint, payload, config.api, run_start, spec)
+                record = await send_request(pools.next(), config.endpoint, payload, config.api, run_start, spec)
         _fill_counts(record, spec, count_tokens)
         records.append(record)
         if on_done:

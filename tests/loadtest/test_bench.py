@@ -17,6 +17,7 @@ from fleetserve.loadtest import datasets
 from fleetserve.loadtest.arrivals import inter_arrival_times
 from fleetserve.loadtest.local_server import free_port
 from fleetserve.loadtest.client import RequestRecord
+from fleetserve.loadtest.connections import ConnectionPools
 from fleetserve.loadtest.metrics import compute_metrics, meets_slos, parse_goodput
 from fleetserve.loadtest.runner import BenchConfig, BenchError, request_models, run_benchmark
 
@@ -322,3 +323,25 @@ def test_several_models_spread_requests_by_zipf_popularity():
     skewed = request_models(BenchConfig(base_url="http://x", model="a,b,c", model_zipf=2.0), 3000)
     # Weights 1, 1/4, 1/9: a's share 1 / (1 + 0.25 + 0.111) = 0.735 -> 2204 expected, sd 24.2; 6 sd = 145.
     assert abs(skewed.count("a") - 2204) < 145
+
+
+def test_requests_take_the_connection_pools_in_turn():
+    pools = ConnectionPools(num_pools=3)
+    assert [pools.next() for _ in range(7)] == pools.clients * 2 + pools.clients[:1]
+    assert pools.first is pools.clients[0]
+    with pytest.raises(ValueError, match="num_pools must be at least 1, got 0"):
+        ConnectionPools(num_pools=0)
+
+
+async def test_streams_in_flight_spread_evenly_over_the_connection_pools(schedule_url):
+    # 32 streams held open at once, over 16 pools taken in turn: each pool opens exactly 32 / 16 = 2
+    # connections, so no pool holds the quadratic share one pool would (connections.py says why).
+    payload = {"model": "schedule", "prompt": "hello", "max_tokens": 3, "stream": True}
+    async with ConnectionPools(num_pools=16) as pools:
+        streams = [pools.next().stream("POST", f"{schedule_url}/v1/completions", json=payload) for _ in range(32)]
+        responses = [await stream.__aenter__() for stream in streams]
+        held = [len(client._transport._pool.connections) for client in pools.clients]
+        for stream in streams:
+            await stream.__aexit__(None, None, None)
+    assert [response.status_code for response in responses] == [200] * 32
+    assert held == [2] * 16
