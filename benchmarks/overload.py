@@ -7,7 +7,8 @@ and with --tenants, a light tenant beside a heavy one's flood, with fair shares 
                                             [--cpu-hog 60:60] [--ingress-max-ongoing N] [--rate R]
     .venv/bin/python benchmarks/overload.py --compare-memory RESULT.json ...
 
-The tiny model on 2 replicas (one core each, max_num_seqs 16, eager). Capacity is measured first: a
+The tiny model on 2 replicas (one core each, max_num_seqs 16, eager), on fleetserve's default config (Serve's
+fast path: gRPC between Serve's processes, the proxy's included, as `fleetserve serve` runs it). Capacity is measured first: a
 closed burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
 same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `fleetserve bench`'s runner:
 
@@ -56,7 +57,8 @@ from fleetserve.loadtest.processes import resident_bytes
 from fleetserve.loadtest.report import save_results
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
 from fleetserve.deployments.ingress.heap import MEMRAY_ENV, TRACEMALLOC_ENV
-from fleetserve.platform.config import parse_config
+from fleetserve.deployments.serve_options import serve_runtime_env
+from fleetserve.platform.config import ServerConfig, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 8044
@@ -229,7 +231,8 @@ def main() -> None:
     for assignment in args.worker_env:
         key, _, value = assignment.partition("=")
         os.environ[key] = value
-    ray.init(include_dashboard=False, log_to_driver=False)
+    # As `fleetserve serve` starts its cluster: Serve's proxy on the fast path when the default config has it.
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env=serve_runtime_env(ServerConfig()))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     base_url = f"http://127.0.0.1:{PORT}"
     if args.tenants or args.memory:
