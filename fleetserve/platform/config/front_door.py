@@ -26,10 +26,11 @@ class ServerConfig(Strict):
     # keeps them all on the head, beside an ingress kept there by custom_resources.
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
     # Ray Serve's faster path between its processes: calls between replicas, and the proxy's, over gRPC
-    # instead of Ray actor calls (one of its throughput-optimized mode's options). It cuts the front end's CPU
-    # per streamed token about in half (docs/benchmarks.md). The replicas' gRPC ports must be reachable
-    # between nodes; false keeps Serve's defaults (Ray actor calls), for networks that allow only Ray's ports.
-    serve_fast_path: bool = True
+    # instead of Ray actor calls (one of its throughput-optimized mode's options). It cut the front end's CPU
+    # per streamed token 2.3x (docs/benchmarks.md). Off by default: it raises the measured capacity ~50%, and
+    # twice that (the overload test's load) is more than 2 cores' front door refuses in time, on either
+    # transport. The replicas' gRPC ports must be reachable between nodes.
+    serve_fast_path: bool = False
 
 
 class LimitsConfig(Strict):
