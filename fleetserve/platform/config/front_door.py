@@ -27,9 +27,9 @@ class ServerConfig(Strict):
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
     # Ray Serve's faster path between its processes: calls between replicas, and the proxy's, over gRPC
     # instead of Ray actor calls (one of its throughput-optimized mode's options). It cut the front end's CPU
-    # per streamed token 2.3x (docs/benchmarks.md). Off by default: it raises the measured capacity ~50%, and
-    # twice that (the overload test's load) is more than 2 cores' front door refuses in time, on either
-    # transport. The replicas' gRPC ports must be reachable between nodes.
+    # per streamed token about in half (docs/benchmarks.md). Off by default: the overload test (twice
+    # capacity, /metrics answered within 10 s every second) failed on it in 1 of 3 suite runs on 2 cores.
+    # The replicas' gRPC ports must be reachable between nodes.
     serve_fast_path: bool = False
 
 
