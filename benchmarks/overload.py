@@ -8,7 +8,8 @@ and with --tenants, a light tenant beside a heavy one's flood, with fair shares 
     .venv/bin/python benchmarks/overload.py --compare-memory RESULT.json ...
 
 The tiny model on 2 replicas (one core each, max_num_seqs 16, eager), Ray started as `fleetserve serve` starts
-it (Serve's proxy on the fast path when the default config has it). Capacity is measured first: a closed burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
+it (Serve's proxy on the fast path when the default config has it). Capacity is measured first: a closed
+burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
 same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `fleetserve bench`'s runner:
 
   bounded    fleetserve's admission control: queue bound of 2 s of drain (max_queue_wait_s 2)

@@ -10,7 +10,6 @@ connections, keep that work small.
 from __future__ import annotations
 
 import itertools
-from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
@@ -27,7 +26,6 @@ class ConnectionPools:
             raise ValueError(f"num_pools must be at least 1, got {num_pools}")
         self.clients = [httpx.AsyncClient(**client_options) for _ in range(num_pools)]
         self._turns = itertools.cycle(self.clients)
-        self._stack = AsyncExitStack()
 
     @property
     def first(self) -> httpx.AsyncClient:
@@ -39,9 +37,8 @@ class ConnectionPools:
         return next(self._turns)
 
     async def __aenter__(self) -> ConnectionPools:
-        for client in self.clients:
-            await self._stack.enter_async_context(client)
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
-        await self._stack.aclose()
+        for client in self.clients:
+            await client.aclose()
