@@ -37,7 +37,7 @@ class RequestRecord:
     start: float = 0.0
     # Time to first content token.
     ttft: float | None = None
-    # End-to-end latency: request sent to last byte.
+    # End-to-end latency: request sent to last byte (a refusal's too: how fast the front door says no).
     e2el: float | None = None
     # Gaps between successive content chunks after the first (a chunk can carry several tokens).
     itl: list[float] = field(default_factory=list)
@@ -121,6 +121,7 @@ async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any
                 retry_after = response.headers.get("retry-after", "")
                 if retry_after.replace(".", "", 1).isdigit():
                     record.retry_after = float(retry_after)
+                record.e2el = time.perf_counter() - sent
                 return record
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):

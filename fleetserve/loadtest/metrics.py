@@ -11,7 +11,8 @@ from fleetserve.loadtest.client import RequestRecord
 
 # SLO keys accepted by --goodput, in milliseconds.
 GOODPUT_KEYS = ("ttft", "tpot", "e2el")
-LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
+# refusal: how long a refused (429/503) request took to be told so; the others are of completed requests.
+LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el", "refusal")
 
 
 def parse_goodput(items: Sequence[str]) -> dict[str, float]:
@@ -98,6 +99,7 @@ def compute_metrics(records: Sequence[RequestRecord], duration_s: float, percent
         "tpot": [record.tpot for record in done if record.tpot is not None],
         "itl": [gap for record in done for gap in record.itl],
         "e2el": [record.e2el for record in done if record.e2el is not None],
+        "refusal": [record.e2el for record in records if record.refused and record.e2el is not None],
     }
     for name in LATENCY_METRICS:
         summary = Summary.of(samples[name], percentiles)

@@ -27,7 +27,8 @@ _HEADLINE = [("completed", "Successful requests", "{:.0f}"), ("failed", "Failed 
              ("total_token_throughput", "Total token throughput (tok/s)", "{:.2f}"),
              ("prefix_cache_hit_rate", "Prefix cache hit rate (server)", "{:.3f}")]
 _LATENCY = [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (excl. 1st token)"),
-            ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency")]
+            ("itl", "Inter-token Latency"), ("e2el", "End-to-end Latency"),
+            ("refusal", "Time to Refusal (429/503)")]
 
 
 def summary_table(result: RunResult) -> Table:
@@ -42,6 +43,8 @@ def summary_table(result: RunResult) -> Table:
         if metrics.get(key) is not None:
             table.add_row(label, fmt.format(metrics[key]))
     for name, label in _LATENCY:
+        if name == "refusal" and not metrics["refused"]:
+            continue
         table.add_section()
         table.add_row(f"[bold]{label}[/]", "")
         for key in [f"mean_{name}_ms", f"median_{name}_ms", f"std_{name}_ms"] + \

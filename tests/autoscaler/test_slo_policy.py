@@ -146,13 +146,13 @@ def test_decide_scales_up_for_the_demand_forecast_one_startup_ahead():
     assert (decision.desired_replicas, decision.reason) == (3, "slo_prefill")
 
 
-def test_a_backlog_counts_for_what_is_left_of_it_when_new_replicas_could_serve():
-    # 3,000 pending tokens over one start-up and one decision (11 s) add 273 tokens/s: one replica carries it.
-    light = slo_policy(target_prefill_high=0.5).decide(PoolObservation(0.0, 1, (report(pending=3000),)))
+def test_a_backlog_counts_as_demand_drained_within_the_ttft_target():
+    # 300 pending tokens over the 2 s TTFT target add 150 tokens/s: one replica carries it.
+    light = slo_policy(target_prefill_high=0.5).decide(PoolObservation(0.0, 1, (report(pending=300),)))
     assert light.desired_replicas == 1
-    # 30,000 add 2,727 tokens/s: 2.727 / 0.5 = 5.45, so 6 replicas.
-    heavy = slo_policy(target_prefill_high=0.5).decide(PoolObservation(0.0, 1, (report(pending=30_000),)))
-    assert (heavy.desired_replicas, heavy.reason) == (6, "slo_prefill")
+    # 3,000 add 1,500 tokens/s: 1.5 / 0.5 = 3 replicas, each exactly at the cap.
+    heavy = slo_policy(target_prefill_high=0.5).decide(PoolObservation(0.0, 1, (report(pending=3000),)))
+    assert (heavy.desired_replicas, heavy.reason) == (3, "slo_prefill")
 
 
 def test_mean_prompt_and_output_are_measured_per_first_token():
@@ -179,11 +179,18 @@ def test_scale_down_keeps_what_carried_99_percent_of_the_envelopes_requests():
     policy = slo_policy(target_prefill_high=0.5, window_s=1)
     # A burst: 64 requests/s got a first token while 8 replicas were needed.
     policy.decide(PoolObservation(0.0, 4, (report(1600, 16),) * 4))
-    quiet = [policy.decide(PoolObservation(float(t), 8, (report(100, 1),) * 8)) for t in range(1, 53)]
-    # Then 8 requests/s needing 2. By 50 s the burst's 64 are 64 / (64 + 50 x 8) = 14% of the envelope's
-    # requests (5 start-ups, 50 s): 2 replicas would fail them, more than 1%, so 8 stay. At 51 s the burst
-    # has left the envelope.
-    assert [d.desired_replicas for d in quiet] == [8] * 50 + [2, 2]
+    quiet = [policy.decide(PoolObservation(float(t), 8, (report(100, 1),) * 8)) for t in range(1, 303)]
+    # Then 8 requests/s needing 2. The envelope is 300 s (five 10 s start-ups are less than ENVELOPE_MIN_S);
+    # at 300 s the burst's 64 are still 64 / (64 + 300 x 8) = 2.6% of its requests: 2 replicas would fail
+    # them, more than 1%, so 8 stay. At 301 s the burst has left the envelope.
+    assert [d.desired_replicas for d in quiet] == [8] * 300 + [2, 2]
+
+
+def test_the_envelope_spans_five_startups_and_at_least_five_minutes():
+    short = slo_policy(profile=PROFILE.model_copy(update={"startup_s": 10}))
+    long = slo_policy(profile=PROFILE.model_copy(update={"startup_s": 120}))
+    # 5 x 10 s = 50 s is less than 300 s; 5 x 120 s = 600 s.
+    assert (short.envelope_s, long.envelope_s) == (300, 600)
 
 
 def test_the_starting_replicas_are_held_one_startup():

@@ -133,6 +133,12 @@ async def test_failed_requests_are_counted_and_do_not_stop_the_run(schedule_url)
     assert (result.metrics["completed"], result.metrics["failed"]) == (6, 5)
     assert (result.metrics["refused"], result.metrics["refused_with_retry_after"]) == (2, 2)
     assert sorted(record.retry_after for record in result.records if record.refused) == [2.0, 2.0]
+    # A refusal's latency is recorded (how fast the front door says no), and stays out of the completed ones'.
+    assert all(record.e2el is not None and record.e2el > 0 for record in result.records if not record.ok)
+    completed = [record.e2el for record in result.records if record.ok]
+    refused = [record.e2el for record in result.records if record.refused]
+    assert result.metrics["mean_e2el_ms"] == pytest.approx(sum(completed) / 6 * 1000)
+    assert result.metrics["mean_refusal_ms"] == pytest.approx(sum(refused) / 2 * 1000)
     assert result.to_dict(detailed=False)["errors"] == {
         'HTTP 500: {"error":{"message":"asked to fail","type":"internal_error"}}': 3,
         'HTTP 503: {"error":{"message":"at capacity","type":"service_unavailable"}}': 2}
