@@ -208,7 +208,7 @@ def main() -> None:
     parser.add_argument("--memray", action="store_true",
                         help="--memory: record the ingress's native allocations from the mark (needs memray)")
     parser.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",
-                        help="--memory: an environment variable for every Ray worker (repeatable)")
+                        help="an environment variable for every Ray worker (repeatable)")
     parser.add_argument("--ingress-max-ongoing", type=int, default=None,
                         help="--memory: limits.ingress_max_ongoing_requests (fleetserve's default otherwise)")
     parser.add_argument("--cpu-hog", default=None, metavar="START:SECONDS",
@@ -459,6 +459,11 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
                            ("B refused", "refused", "{}")):
         cells = [fmt.format(rows[setup]["B"].metrics[key]) for setup in ("B alone", *setups)]
         print(f"| {name} | {' | '.join(cells)} |")
+    # A's refusals show how long the front door itself takes under the flood, apart from the engines' queue.
+    for name, key in (("A median TTFT (ms)", "median_ttft_ms"), ("A median time to refusal (ms)", "median_refusal_ms"),
+                      ("A p99 time to refusal (ms)", "p99_refusal_ms")):
+        cells = [f"{rows[setup]['A'].metrics[key]:.0f}" for setup in setups]
+        print(f"| {name} | | {' | '.join(cells)} |")
     for setup in setups:
         b, a = rows[setup]["B"].metrics, rows[setup]["A"].metrics
         print(f"{setup}: B goodput {b['request_goodput'] / alone['request_goodput']:.2f}x of alone, B p99 TTFT "
