@@ -19,7 +19,8 @@ same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `f
 With --tenants: tenant B sends at 0.2x capacity alone, then beside tenant A at 3x capacity (--heavy-factor), once with
 fair shares (limits.fair_share_from 0.5, equal weights), once without (fair_share_from 1.0), and once
 with shares and A as a batch tenant on engines with vLLM's priority scheduling. Reported:
-B's goodput and p99 TTFT against B alone, and what A got.
+B's goodput and p99 TTFT against B alone, what A got, how long A's refusals took (the front door's own
+latency under the flood), and the cores each part of the stack used.
 
 With --memory: the bounded setup alone, for --seconds (default 300), sampling the ingress's resident memory
 every second. After --warmup-s the ingress marks its heap; at the end it reports what the heap gained since:
@@ -419,6 +420,8 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
     """B alone at 0.2x capacity, then B beside A at --heavy-factor x, with fair shares on and off."""
     from ray import serve
 
+    from serve_vs_vllm import cpu_seconds
+
     from fleetserve.deployments.builders import build_app
 
     def bench(tenant: str, rate: float) -> BenchConfig:
@@ -431,6 +434,8 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
                                       for config in configs])
 
     rows: dict[str, dict] = {}
+    # Per setup, the cores each part of the stack used while the tenants ran (user + system CPU / wall).
+    cores: dict[str, dict[str, float]] = {}
     capacity = None
     for setup, fair_share_from, heavy_batch in TENANT_SETUPS:
         serve.run(build_app(parse_config(tenants_config(fair_share_from, heavy_batch))), name="fleetserve",
@@ -444,8 +449,11 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
             (alone,) = asyncio.run(together([bench("light", 0.2 * capacity)]))
             rows["B alone"] = {"B": alone}
             save_results(args.out / "tenants-b-alone.json", [alone], detailed=True)
+        before, started = cpu_seconds(), time.perf_counter()
         light, heavy = asyncio.run(together([bench("light", 0.2 * capacity),
                                              bench("heavy", args.heavy_factor * capacity)]))
+        after, elapsed = cpu_seconds(), time.perf_counter() - started
+        cores[setup] = {part: (after[part] - before.get(part, 0.0)) / elapsed for part in after}
         rows[setup] = {"B": light, "A": heavy}
         save_results(args.out / f"tenants-{slug(setup)}.json", [light, heavy], detailed=True)
         serve.delete("fleetserve")
@@ -464,6 +472,8 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
                       ("A p99 time to refusal (ms)", "p99_refusal_ms")):
         cells = [f"{rows[setup]['A'].metrics[key]:.0f}" for setup in setups]
         print(f"| {name} | | {' | '.join(cells)} |")
+    for part in sorted({part for used in cores.values() for part in used}):
+        print(f"| cores: {part} | | {' | '.join(f'{cores[setup].get(part, 0.0):.2f}' for setup in setups)} |")
     for setup in setups:
         b, a = rows[setup]["B"].metrics, rows[setup]["A"].metrics
         print(f"{setup}: B goodput {b['request_goodput'] / alone['request_goodput']:.2f}x of alone, B p99 TTFT "
