@@ -63,7 +63,7 @@ def _group(process: psutil.Process) -> str | None:
                           ("ServeReplica:ray-serve-llm:LLMServer", "engine replica (AsyncLLM front-end)"),
                           ("ServeReplica:ray-serve-llm:OpenAiIngress", "ingress replica (FastAPI)"),
                           ("ServeReplica:ray-serve-llm", "ingress replica (FastAPI)"),
-                          ("ProxyActor", "Serve HTTP proxy"), ("ServeReplica:fleetserve:metrics", "metrics hub"),
+                          ("ProxyActor", "Serve HTTP proxy"), ("haproxy", "Serve HTTP proxy"), ("ServeReplica:fleetserve:metrics", "metrics hub"),
                           ("api_server", "vLLM API server (front-end)"), ("serve_vs_vllm", "load tester"),
                           ("ServeController", "Ray and Serve control plane"), ("raylet", "Ray and Serve control plane"),
                           ("gcs_server", "Ray and Serve control plane"), ("ray::", "Ray and Serve control plane"),
