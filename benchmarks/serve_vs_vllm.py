@@ -55,6 +55,8 @@ def _group(process: psutil.Process) -> str | None:
     """Which part of a serving stack a process is, by its title or command line."""
     try:
         name = " ".join(process.cmdline()) or process.name()
+        if process.name() == "haproxy":  # by name: a command line may hold the word (an --out folder)
+            return "Serve HTTP proxy"
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     for marker, group in (("VLLM::Worker", "vLLM worker (model compute)"), ("VLLM::EngineCore", "vLLM engine core"),
@@ -63,7 +65,7 @@ def _group(process: psutil.Process) -> str | None:
                           ("ServeReplica:ray-serve-llm:LLMServer", "engine replica (AsyncLLM front-end)"),
                           ("ServeReplica:ray-serve-llm:OpenAiIngress", "ingress replica (FastAPI)"),
                           ("ServeReplica:ray-serve-llm", "ingress replica (FastAPI)"),
-                          ("ProxyActor", "Serve HTTP proxy"), ("haproxy", "Serve HTTP proxy"),
+                          ("ProxyActor", "Serve HTTP proxy"),
                           ("ServeReplica:fleetserve:metrics", "metrics hub"),
                           ("api_server", "vLLM API server (front-end)"), ("serve_vs_vllm", "load tester"),
                           ("ServeController", "Ray and Serve control plane"), ("raylet", "Ray and Serve control plane"),

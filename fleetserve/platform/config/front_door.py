@@ -25,11 +25,12 @@ class ServerConfig(Strict):
     # connections over every node's proxy, and a node's loss drops the connections its proxy held; HeadOnly
     # keeps them all on the head, beside an ingress kept there by custom_resources.
     proxy_location: Literal["EveryNode", "HeadOnly"] = "EveryNode"
-    # Ray Serve's faster path between its processes: calls between replicas, and the proxy's, over gRPC
-    # instead of Ray actor calls (one of its throughput-optimized mode's options). It cut the front end's CPU
-    # per streamed token about in half (docs/benchmarks.md). Off by default: the overload test (twice
-    # capacity, /metrics answered within 10 s every second) failed on it in 1 of 3 suite runs on 2 cores.
-    # The replicas' gRPC ports must be reachable between nodes.
+    # Ray Serve's faster path: calls between replicas, and the front door's, over gRPC instead of Ray actor
+    # calls (one of its throughput-optimized mode's options), with HAProxy as the HTTP front door instead of
+    # Serve's Python proxy: 0.79-0.81x bare vLLM's output tokens/s, against 0.71-0.73x for gRPC alone and
+    # 0.63-0.76x for Serve's defaults (docs/benchmarks.md). Off by default: gRPC without HAProxy failed the
+    # overload test in 1 of 3 suite runs, and the pair has not had its repeated suite runs. The replicas' gRPC ports must be reachable
+    # between nodes; HAProxy also listens on every interface at 8404 (stats) and 9101 (its metrics).
     serve_fast_path: bool = False
 
 

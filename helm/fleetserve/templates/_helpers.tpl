@@ -77,6 +77,7 @@ env:
   {{- if $fastPath }}
   {{- /* Serve's fast path in every Ray process, its proxies too (fleetserve.deployments.serve_options.FAST_PATH_ENV). */}}
   - {name: RAY_SERVE_USE_GRPC_BY_DEFAULT, value: "1"}
+  - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
   {{- end }}
 {{- end }}
 volumeMounts:
