@@ -113,9 +113,16 @@ def specs(num: int, input_words: int = 64, max_tokens: int = 32) -> list[Request
 
 
 def test_twice_capacity_for_a_minute_is_refused_cleanly_and_bounded(guarded, tmp_path):
-    # Capacity: a closed burst of 96 requests (64 words in, 32 tokens out) saturating both engines.
-    probe = asyncio.run(run_benchmark(BenchConfig(base_url=guarded.base_url, model=MODEL, ignore_eos=True,
-                                                  max_concurrency=2 * MAX_NUM_SEQS), specs(96)))
+    # Capacity: a closed burst of 96 requests (64 words in, 32 tokens out) saturating both engines, after one
+    # such burst to warm them. The first burst on the app's fresh engines runs cold, and the flood runs warm: on
+    # the fast path a cold probe read 30.5 requests/s, the next two 38.7 and 40.5, and the flood then completed
+    # 38.5/s, so a cold probe offered 1.6x capacity, not 2x (docs/benchmarks.md).
+    def burst():
+        return asyncio.run(run_benchmark(BenchConfig(base_url=guarded.base_url, model=MODEL, ignore_eos=True,
+                                                     max_concurrency=2 * MAX_NUM_SEQS), specs(96)))
+
+    burst()
+    probe = burst()
     assert probe.metrics["completed"] == 96, [record.error for record in probe.records if not record.ok][:3]
     capacity = probe.metrics["request_throughput"]
     rate = 2 * capacity
