@@ -54,9 +54,9 @@ def workload(num_prompts: int):
 def _group(process: psutil.Process) -> str | None:
     """Which part of a serving stack a process is, by its title or command line."""
     try:
-        name = " ".join(process.cmdline()) or process.name()
         if process.name() == "haproxy":  # by name: a command line may hold the word (an --out folder)
             return "Serve HTTP proxy"
+        name = " ".join(process.cmdline()) or process.name()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
     for marker, group in (("VLLM::Worker", "vLLM worker (model compute)"), ("VLLM::EngineCore", "vLLM engine core"),

@@ -29,8 +29,9 @@ class ServerConfig(Strict):
     # calls (one of its throughput-optimized mode's options), with HAProxy as the HTTP front door instead of
     # Serve's Python proxy: 0.79-0.81x bare vLLM's output tokens/s, against 0.71-0.73x for gRPC alone and
     # 0.63-0.76x for Serve's defaults (docs/benchmarks.md). Off by default: gRPC without HAProxy failed the
-    # overload test in 1 of 3 suite runs, and the pair has not had its repeated suite runs. The replicas' gRPC ports must be reachable
-    # between nodes; HAProxy also listens on every interface at 8404 (stats) and 9101 (its metrics).
+    # overload test in 1 of 3 suite runs, and the pair has not had its repeated suite runs. The replicas'
+    # gRPC ports must be reachable between nodes; HAProxy also listens on every interface at 8404 (stats)
+    # and 9101 (its metrics).
     serve_fast_path: bool = False
 
 
