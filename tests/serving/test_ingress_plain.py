@@ -2,6 +2,7 @@
 
 import json
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -201,7 +202,9 @@ async def test_paced_instant_engine_waits_its_step_between_tokens(monkeypatch):
     async def record(seconds):
         waits.append(seconds)
 
-    monkeypatch.setattr(instant_engine.asyncio, "sleep", record)
+    # The module's own name only: patching asyncio.sleep itself also records the sleeps of whatever else runs
+    # in this process (Ray's handle loops, left by served tests, slept 0.1 s during it).
+    monkeypatch.setattr(instant_engine, "asyncio", SimpleNamespace(sleep=record))
     paced = instant_engine.InstantEngine.paced(0.03)
     server = EngineServer(ModelConfig(name="instant", source="unused"), engine_cls=paced, model_path="/unused")
     app = OpenAIIngress({"instant": LocalModelClient(server)}).build_app()
