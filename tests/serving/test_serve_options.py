@@ -63,14 +63,15 @@ def test_ingress_and_hub_go_where_server_custom_resources_say():
     assert control_actor_options(ServerConfig(serve_fast_path=False)) == {"num_cpus": 0}
 
 
-def test_every_deployment_runs_on_serves_fast_path_when_turned_on():
+def test_every_deployment_runs_on_serves_fast_path_unless_turned_off():
     from fleetserve.deployments.serve_options import FAST_PATH_ENV, control_actor_options, serve_runtime_env
 
-    on, off = ServerConfig(serve_fast_path=True), ServerConfig()
-    # gRPC between Serve's processes (of the throughput-optimized options, the one that pays here) and HAProxy
-    # as the HTTP front door.
+    on, off = ServerConfig(), ServerConfig(serve_fast_path=False)
+    # gRPC between Serve's processes (of the throughput-optimized options, the one that pays here), HAProxy
+    # as the HTTP front door, and a stopping ingress replica reachable behind it for 5 s, not Ray's 30 s.
     assert serve_runtime_env(on) == {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
-                                                  "RAY_SERVE_ENABLE_HA_PROXY": "1"}}
+                                                  "RAY_SERVE_ENABLE_HA_PROXY": "1",
+                                                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}}
     assert control_actor_options(on) == {"num_cpus": 0, "runtime_env": {"env_vars": FAST_PATH_ENV}}
     assert deployment_options(model(), on)["ray_actor_options"]["runtime_env"] == {"env_vars": FAST_PATH_ENV}
     assert serve_runtime_env(off) == {}

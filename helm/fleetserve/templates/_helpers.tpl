@@ -65,7 +65,7 @@ resources: {{ printf "{\"mig-%s\": 1}" .group.migProfile | quote }}
 
 {{- define "fleetserve.container" -}}
 {{- $server := .Values.platform.server | default dict -}}
-{{- $fastPath := and (hasKey $server "serve_fast_path") $server.serve_fast_path -}}
+{{- $fastPath := ternary $server.serve_fast_path true (hasKey $server "serve_fast_path") -}}
 image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
 {{- if or .Values.modelCache.enabled $fastPath }}
@@ -78,6 +78,7 @@ env:
   {{- /* Serve's fast path in every Ray process, its proxies too (fleetserve.deployments.serve_options.FAST_PATH_ENV). */}}
   - {name: RAY_SERVE_USE_GRPC_BY_DEFAULT, value: "1"}
   - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
+  - {name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, value: "5"}
   {{- end }}
 {{- end }}
 volumeMounts:
