@@ -58,7 +58,7 @@ from fleetserve.loadtest.processes import resident_bytes
 from fleetserve.loadtest.report import save_results
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
 from fleetserve.deployments.ingress.heap import MEMRAY_ENV, TRACEMALLOC_ENV
-from fleetserve.deployments.serve_options import serve_runtime_env
+from fleetserve.deployments.serve_options import local_cluster_runtime_env
 from fleetserve.platform.config import ServerConfig, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -241,7 +241,7 @@ def main() -> None:
         os.environ[key] = value
     # As `fleetserve serve` starts its cluster: its proxies on the options the config's server section gives.
     ray.init(include_dashboard=False, log_to_driver=False,
-             runtime_env=serve_runtime_env(ServerConfig(**server_section(args))))
+             runtime_env=local_cluster_runtime_env(ServerConfig(**server_section(args))))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     base_url = f"http://127.0.0.1:{PORT}"
     if args.tenants or args.memory:

@@ -52,7 +52,7 @@ def serve(
     from fleetserve.deployments.builders import build_app
     from fleetserve.deployments.local_run import ClusterError, start_ray
     from fleetserve.deployments.placement import PlacementError
-    from fleetserve.deployments.serve_options import serve_runtime_env
+    from fleetserve.deployments.serve_options import HAPROXY_PORT_ENV, local_cluster_runtime_env, serve_runtime_env
     from fleetserve.platform.model_store import ModelSourceError
     from fleetserve.platform.shm import remove_orphaned_segments
 
@@ -69,8 +69,13 @@ def serve(
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     names = ", ".join(model.name for model in config.models)
+    runtime_env = local_cluster_runtime_env(config.server) if address is None else serve_runtime_env(config.server)
+    moved = {name: port for name, port in runtime_env.get("env_vars", {}).items() if name in HAPROXY_PORT_ENV}
+    if moved:
+        console.print("HAProxy's default ports are taken on this machine (another cluster?): "
+                      + ", ".join(f"{name}={port}" for name, port in moved.items()))
     try:
-        with start_ray(verbose, address, serve_runtime_env(config.server)) as session:
+        with start_ray(verbose, address, runtime_env) as session:
             if placement_check:
                 _check_placement(config)
             with console.status(f"deploying {names} (engines take ~30-90 s to start on CPU)"):

@@ -6,6 +6,7 @@ module says how Serve runs it, and names the adapters that put fleetserve's poli
 
 from __future__ import annotations
 
+import socket
 from typing import Any
 
 from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
@@ -30,6 +31,11 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 20
 # connection on another replica after that.
 FAST_PATH_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
+
+# HAProxy's own listeners (its stats page and Prometheus metrics): Ray 2.60 binds them on every interface at
+# fixed ports, so a second cluster on one machine could not start its HAProxy (address in use) and never
+# answered.
+HAPROXY_PORT_ENV = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
 
 
 def deployment_name(model: ModelConfig) -> str:
@@ -73,6 +79,32 @@ def serve_runtime_env(server: ServerConfig) -> dict[str, Any]:
     """The runtime_env that puts a process on Serve's fast path (empty when ``server.serve_fast_path`` is
     off): on every replica, and on the cluster ``fleetserve serve`` starts, so its proxies too."""
     return {"env_vars": dict(FAST_PATH_ENV)} if server.serve_fast_path else {}
+
+
+def local_cluster_runtime_env(server: ServerConfig) -> dict[str, Any]:
+    """``serve_runtime_env`` for a cluster started on this machine: on the fast path, HAProxy's stats and
+    metrics listeners move to free ports where another process (another cluster's HAProxy) holds Ray's
+    defaults."""
+    runtime_env = serve_runtime_env(server)
+    if server.serve_fast_path:
+        runtime_env["env_vars"].update({name: str(_free_port()) for name, port in HAPROXY_PORT_ENV.items()
+                                        if not _port_is_free(port)})
+    return runtime_env
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("0.0.0.0", 0))
+        return sock.getsockname()[1]
 
 
 def data_path_handle_options() -> dict[str, Any]:

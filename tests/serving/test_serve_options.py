@@ -78,6 +78,28 @@ def test_every_deployment_runs_on_serves_fast_path_unless_turned_off():
     assert "runtime_env" not in deployment_options(model(), off)["ray_actor_options"]
 
 
+def test_a_local_cluster_moves_only_the_haproxy_ports_another_process_holds(monkeypatch):
+    import socket
+
+    from fleetserve.deployments import serve_options
+
+    held, free = socket.socket(), socket.socket()
+    with held, free:
+        held.bind(("0.0.0.0", 0))
+        held.listen()
+        free.bind(("0.0.0.0", 0))
+        free_port = free.getsockname()[1]
+        free.close()  # a port known to have been free a moment ago
+        monkeypatch.setattr(serve_options, "HAPROXY_PORT_ENV", {"RAY_SERVE_HAPROXY_STATS_PORT": held.getsockname()[1],
+                                                                "RAY_SERVE_HAPROXY_METRICS_PORT": free_port})
+        env = serve_options.local_cluster_runtime_env(ServerConfig())["env_vars"]
+        # The held port's variable points elsewhere, at a port free when chosen; the free one keeps Ray's default.
+        assert set(env) == {*serve_options.FAST_PATH_ENV, "RAY_SERVE_HAPROXY_STATS_PORT"}
+        assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) not in (held.getsockname()[1], 0)
+        # Off the fast path there is no HAProxy: nothing to move.
+        assert serve_options.local_cluster_runtime_env(ServerConfig(serve_fast_path=False)) == {}
+
+
 @pytest.mark.parametrize("grpc", [True, False])
 def test_data_path_handles_take_the_calling_replicas_transport(monkeypatch, grpc):
     import ray.serve._private.constants as serve_constants
