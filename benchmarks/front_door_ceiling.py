@@ -4,9 +4,9 @@ engine that produces tokens instantly (fleetserve.platform.instant_engine), and 
     .venv/bin/python benchmarks/front_door_ceiling.py [--concurrency 16,64] [--tokens 256] [--step-ms 30]
         [--serve-defaults] [--env KEY=VALUE ...]
 
-The path runs on Serve's fast path (server.serve_fast_path: true, fleetserve's default: gRPC between Serve's
-processes, HAProxy as the HTTP front door); --serve-defaults runs Serve's defaults (serve_fast_path: false).
---env sets more Ray Serve options before Ray starts (RAY_SERVE_THROUGHPUT_OPTIMIZED=1),
+The path runs on Serve's fast path (server.serve_fast_path: true, fleetserve's opt-in: gRPC between Serve's
+processes, HAProxy as the HTTP front door); --serve-defaults runs Serve's defaults (serve_fast_path: false),
+fleetserve's default. --env sets more Ray Serve options before Ray starts (RAY_SERVE_THROUGHPUT_OPTIMIZED=1),
 so each run of the script measures one configuration of the path. --step-ms paces the engine as a real one
 steps (one token per request per step), so each token is its own Ray item, as it is in front of vLLM.
 

@@ -8,9 +8,9 @@ and with --tenants, a light tenant beside a heavy one's flood, with fair shares 
     .venv/bin/python benchmarks/overload.py --compare-memory RESULT.json ...
 
 The tiny model on 2 replicas (one core each, max_num_seqs 16, eager), Ray started as `fleetserve serve` starts
-it (on Serve's fast path, gRPC and HAProxy, as the default config has it; --serve-defaults: on Serve's
-defaults). Capacity is measured first: a closed burst of 96 requests (64 tokens in, 32 out) that fills both
-engines. Then each setup gets the same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `fleetserve bench`'s runner:
+it (Serve's proxy on the fast path when the default config has it). Capacity is measured first: a closed
+burst of 96 requests (64 tokens in, 32 out) that fills both engines. Then each setup gets the
+same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `fleetserve bench`'s runner:
 
   bounded    fleetserve's admission control: queue bound of 2 s of drain (max_queue_wait_s 2)
   unbounded  no admission bound (max_queue_wait_s and max_in_flight_per_replica off): Ray Serve's
@@ -189,11 +189,6 @@ def peak_in_flight(records) -> int:
     return peak
 
 
-def server_section(args: argparse.Namespace) -> dict:
-    """The platform config's server section: Serve's fast path unless --serve-defaults."""
-    return {"serve_fast_path": not args.serve_defaults}
-
-
 def main() -> None:
     import ray
     from ray import serve
@@ -213,8 +208,6 @@ def main() -> None:
     parser.add_argument("--tracemalloc", type=int, default=0, help="--memory: frames per traced allocation")
     parser.add_argument("--memray", action="store_true",
                         help="--memory: record the ingress's native allocations from the mark (needs memray)")
-    parser.add_argument("--serve-defaults", action="store_true",
-                        help="Serve's default options instead of its fast path (server.serve_fast_path: false)")
     parser.add_argument("--worker-env", action="append", default=[], metavar="KEY=VALUE",
                         help="an environment variable for every Ray worker (repeatable)")
     parser.add_argument("--ingress-max-ongoing", type=int, default=None,
@@ -239,9 +232,8 @@ def main() -> None:
     for assignment in args.worker_env:
         key, _, value = assignment.partition("=")
         os.environ[key] = value
-    # As `fleetserve serve` starts its cluster: its proxies on the options the config's server section gives.
-    ray.init(include_dashboard=False, log_to_driver=False,
-             runtime_env=local_cluster_runtime_env(ServerConfig(**server_section(args))))
+    # As `fleetserve serve` starts its cluster: Serve's proxy on the fast path when the default config has it.
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env=local_cluster_runtime_env(ServerConfig()))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     base_url = f"http://127.0.0.1:{PORT}"
     if args.tenants or args.memory:
@@ -254,8 +246,8 @@ def main() -> None:
     rows, capacity = [], None
     try:
         for setup, limits in SETUPS.items():
-            serve.run(build_app(parse_config({"models": [model_config()], "limits": limits,
-                                              "server": server_section(args)})), name="fleetserve", route_prefix="/")
+            serve.run(build_app(parse_config({"models": [model_config()], "limits": limits})), name="fleetserve",
+                      route_prefix="/")
             if capacity is None:
                 probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
                                                               max_concurrency=32), specs(96)))
@@ -288,7 +280,7 @@ def memory(base_url: str, args: argparse.Namespace) -> None:
 
     limits = {**SETUPS["bounded"], **({"ingress_max_ongoing_requests": args.ingress_max_ongoing}
                                        if args.ingress_max_ongoing else {})}
-    app_config = parse_config({"models": [model_config()], "limits": limits, "server": server_section(args)})
+    app_config = parse_config({"models": [model_config()], "limits": limits})
     serve.run(build_app(app_config), name="fleetserve", route_prefix="/")
     ingress = serve.get_deployment_handle("ingress", "fleetserve")
     probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
@@ -446,8 +438,7 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
     cores: dict[str, dict[str, float]] = {}
     capacity = None
     for setup, fair_share_from, heavy_batch in TENANT_SETUPS:
-        serve.run(build_app(parse_config({**tenants_config(fair_share_from, heavy_batch),
-                                          "server": server_section(args)})), name="fleetserve",
+        serve.run(build_app(parse_config(tenants_config(fair_share_from, heavy_batch))), name="fleetserve",
                   route_prefix="/")
         if capacity is None:
             probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,

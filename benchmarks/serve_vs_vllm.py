@@ -1,15 +1,10 @@
 """fleetserve vs bare vLLM vs Ray Serve LLM: same model, same engine args, same cores, same workload, in one run.
 
     .venv/bin/python benchmarks/serve_vs_vllm.py [--num-prompts 64] [--concurrency 4,16,64] [--binding 0-1,1]
-        [--serve-defaults]
 
 Each server runs alone, its engine pinned to the same cores as the others', and is measured with `fleetserve bench`'s
 runner (warm-ups first). Prints markdown tables of the figures, the ratios to bare vLLM, and each process group's CPU
 time per streamed output token. Ray Serve LLM needs pyarrow (`pip install -e ".[bench]"`).
-
-fleetserve runs on Serve's fast path, its default (gRPC, HAProxy); --serve-defaults runs it on Serve's defaults
-(server.serve_fast_path: false). Ray Serve LLM runs on whatever Serve options the shell's environment sets
-(RAY_SERVE_USE_GRPC_BY_DEFAULT=1 RAY_SERVE_ENABLE_HA_PROXY=1 for a like-for-like comparison with the fast path).
 """
 
 from __future__ import annotations
@@ -147,10 +142,9 @@ def _run_until_ready(command: list[str], name: str, specs, concurrencies, port: 
         process.wait(timeout=120)
 
 
-def run_fleetserve(specs, concurrencies, port: int, binding: str, serve_fast_path: bool) -> list[RunResult]:
+def run_fleetserve(specs, concurrencies, port: int, binding: str) -> list[RunResult]:
     config_path = Path(tempfile.mkdtemp()) / "bench.yaml"
-    config_path.write_text(yaml.safe_dump({"models": [model_entry(binding)],
-                                           "server": {"serve_fast_path": serve_fast_path}}))
+    config_path.write_text(yaml.safe_dump({"models": [model_entry(binding)]}))
     return _run_until_ready([sys.executable, "-m", "fleetserve.cli", "serve", str(config_path), "--port", str(port)],
                             "fleetserve", specs, concurrencies, port)
 
@@ -168,8 +162,6 @@ def main() -> None:
     parser.add_argument("--binding", default="0-1,1",
                         help="engine core bindings to compare, comma-separated; each is used by both servers")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "serve_vs_vllm")
-    parser.add_argument("--serve-defaults", action="store_true",
-                        help="fleetserve on Serve's defaults instead of its fast path (server.serve_fast_path: false)")
     args = parser.parse_args()
     concurrencies = [int(part) for part in args.concurrency.split(",")]
     specs = workload(args.num_prompts)
@@ -179,7 +171,7 @@ def main() -> None:
         print(f"engine bound to cores {binding}: Ray Serve LLM ...", flush=True)
         ray_llm = run_ray_serve_llm(specs, concurrencies, 8013, binding)
         print(f"engine bound to cores {binding}: fleetserve ...", flush=True)
-        ours = run_fleetserve(specs, concurrencies, 8012, binding, not args.serve_defaults)
+        ours = run_fleetserve(specs, concurrencies, 8012, binding)
         servers = {"bare vLLM": vllm, "Ray Serve LLM": ray_llm, "fleetserve": ours}
         for name, results in servers.items():
             save_results(args.out / f"{name.replace(' ', '-').lower()}-cores{binding}.json", results, detailed=False)

@@ -100,10 +100,9 @@ def ray_cluster():
     from fleetserve.deployments.serve_options import local_cluster_runtime_env
     from fleetserve.platform.config import ServerConfig
 
-    # As `fleetserve serve` starts its cluster: on Serve's fast path, the platform's default (the job's
-    # runtime_env reaches Serve's controller, proxies and replicas); FLEETSERVE_TEST_SERVE_DEFAULTS=1 runs
-    # every app the suite serves on Serve's own defaults instead.
-    server = ServerConfig(serve_fast_path=os.environ.get("FLEETSERVE_TEST_SERVE_DEFAULTS") != "1")
+    # As `fleetserve serve` starts its cluster; FLEETSERVE_TEST_FAST_PATH=1 puts every app the suite serves on
+    # Serve's fast path (the job's runtime_env reaches Serve's controller, proxies and replicas).
+    server = ServerConfig(serve_fast_path=os.environ.get("FLEETSERVE_TEST_FAST_PATH") == "1")
     ray.init(include_dashboard=False, log_to_driver=False, num_cpus=4, runtime_env=local_cluster_runtime_env(server))
     yield
     ray.shutdown()

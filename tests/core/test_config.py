@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.deployments.serve_options import FAST_PATH_ENV, deployment_options
+from fleetserve.deployments.serve_options import deployment_options
 from fleetserve.platform.config import ConfigError, default_config, load_config, parse_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -36,8 +36,7 @@ def test_deployment_options_come_from_config():
                                        "resources": {"num_cpus": 2, "num_gpus": 1}}]})
     options = deployment_options(config.models[0], config.server)
     assert options["name"] == "engine-m" and options["num_replicas"] == 3
-    # Serve's fast path (on by default) travels in the replica's runtime_env.
-    assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1, "runtime_env": {"env_vars": FAST_PATH_ENV}}
+    assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
 
 
 @pytest.mark.parametrize(("data", "expected"), [

@@ -2,7 +2,7 @@
 
 import pytest
 
-from fleetserve.deployments.serve_options import FAST_PATH_ENV, deployment_name, deployment_options
+from fleetserve.deployments.serve_options import deployment_name, deployment_options
 from fleetserve.platform.config import ConfigError, parse_config
 
 
@@ -67,9 +67,8 @@ def test_pools_can_ask_for_their_own_slices():
     model = config.models[0]
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
     # Prefill's slice replaces the model's; decode keeps the model's slice and CPU, with its own cores.
-    fast_path = {"runtime_env": {"env_vars": FAST_PATH_ENV}}
     assert deployment_options(prefill, config.server)["ray_actor_options"] == {
-        "num_cpus": 0.5, "num_gpus": 0, "resources": {"mig-3g.71gb": 1}, **fast_path}
+        "num_cpus": 0.5, "num_gpus": 0, "resources": {"mig-3g.71gb": 1}}
     assert deployment_options(decode, config.server)["ray_actor_options"] == {
-        "num_cpus": 0.5, "num_gpus": 0, "resources": {"mig-1g.18gb": 1}, **fast_path}
+        "num_cpus": 0.5, "num_gpus": 0, "resources": {"mig-1g.18gb": 1}}
     assert decode.resources.cpu_binding == ["1"] and prefill.resources.cpu_binding is None

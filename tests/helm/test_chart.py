@@ -203,8 +203,7 @@ def test_the_model_cache_takes_a_claim_or_can_be_left_out():
                 "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "fleetserve-cache"}} \
         in head["template"]["spec"]["volumes"]
-    head = find(render({"modelCache": {"enabled": False}, "platform": {"server": {"serve_fast_path": False}}}),
-                "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
+    head = find(render({"modelCache": {"enabled": False}}), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert [volume["name"] for volume in head["template"]["spec"]["volumes"]] == ["api-keys"]
     assert "env" not in head["template"]["spec"]["containers"][0]
 
@@ -219,8 +218,7 @@ def test_every_pod_takes_serves_fast_path_as_the_platform_config_says(server):
     pods = [cluster["headGroupSpec"]["template"]["spec"],
             *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]
     # The proxies run outside the replicas' runtime_env: their pods carry the same options.
-    # On unless the platform config turns it off, as ServerConfig's default is.
-    expected = FAST_PATH_ENV if server.get("serve_fast_path", True) else {}
+    expected = FAST_PATH_ENV if server.get("serve_fast_path", False) else {}
     for pod in pods:
         env = {item["name"]: item["value"] for item in pod["containers"][0]["env"]}
         assert {name: value for name, value in env.items() if name.startswith("RAY_SERVE_")} == expected

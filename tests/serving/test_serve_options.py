@@ -63,10 +63,10 @@ def test_ingress_and_hub_go_where_server_custom_resources_say():
     assert control_actor_options(ServerConfig(serve_fast_path=False)) == {"num_cpus": 0}
 
 
-def test_every_deployment_runs_on_serves_fast_path_unless_turned_off():
+def test_every_deployment_runs_on_serves_fast_path_when_turned_on():
     from fleetserve.deployments.serve_options import FAST_PATH_ENV, control_actor_options, serve_runtime_env
 
-    on, off = ServerConfig(), ServerConfig(serve_fast_path=False)
+    on, off = ServerConfig(serve_fast_path=True), ServerConfig()
     # gRPC between Serve's processes (of the throughput-optimized options, the one that pays here), HAProxy
     # as the HTTP front door, and a stopping ingress replica reachable behind it for 5 s, not Ray's 30 s.
     assert serve_runtime_env(on) == {"env_vars": {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1",
@@ -92,12 +92,12 @@ def test_a_local_cluster_moves_only_the_haproxy_ports_another_process_holds(monk
         free.close()  # a port known to have been free a moment ago
         monkeypatch.setattr(serve_options, "HAPROXY_PORT_ENV", {"RAY_SERVE_HAPROXY_STATS_PORT": held.getsockname()[1],
                                                                 "RAY_SERVE_HAPROXY_METRICS_PORT": free_port})
-        env = serve_options.local_cluster_runtime_env(ServerConfig())["env_vars"]
+        env = serve_options.local_cluster_runtime_env(ServerConfig(serve_fast_path=True))["env_vars"]
         # The held port's variable points elsewhere, at a port free when chosen; the free one keeps Ray's default.
         assert set(env) == {*serve_options.FAST_PATH_ENV, "RAY_SERVE_HAPROXY_STATS_PORT"}
         assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) not in (held.getsockname()[1], 0)
         # Off the fast path there is no HAProxy: nothing to move.
-        assert serve_options.local_cluster_runtime_env(ServerConfig(serve_fast_path=False)) == {}
+        assert serve_options.local_cluster_runtime_env(ServerConfig()) == {}
 
 
 @pytest.mark.parametrize("grpc", [True, False])

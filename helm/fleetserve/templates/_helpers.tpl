@@ -65,7 +65,7 @@ resources: {{ printf "{\"mig-%s\": 1}" .group.migProfile | quote }}
 
 {{- define "fleetserve.container" -}}
 {{- $server := .Values.platform.server | default dict -}}
-{{- $fastPath := ternary $server.serve_fast_path true (hasKey $server "serve_fast_path") -}}
+{{- $fastPath := and (hasKey $server "serve_fast_path") $server.serve_fast_path -}}
 image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
 {{- if or .Values.modelCache.enabled $fastPath }}
