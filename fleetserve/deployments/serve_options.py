@@ -6,12 +6,12 @@ module says how Serve runs it, and names the adapters that put fleetserve's poli
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
 from fleetserve.platform.config import (AutoscalingConfig, LimitsConfig, ModelConfig, PDRatio, RoutingConfig,
                                         ServerConfig)
+from fleetserve.platform.ports import bindable, free_port
 from fleetserve.router.replica.serve_adapter import FleetserveRequestRouter
 
 # Engines take tens of seconds to load; Serve's default health period is too eager.
@@ -87,24 +87,10 @@ def local_cluster_runtime_env(server: ServerConfig) -> dict[str, Any]:
     defaults."""
     runtime_env = serve_runtime_env(server)
     if server.serve_fast_path:
-        runtime_env["env_vars"].update({name: str(_free_port()) for name, port in HAPROXY_PORT_ENV.items()
-                                        if not _port_is_free(port)})
+        # HAProxy binds them on every interface.
+        runtime_env["env_vars"].update({name: str(free_port("0.0.0.0")) for name, port in HAPROXY_PORT_ENV.items()
+                                        if not bindable("0.0.0.0", port)})
     return runtime_env
-
-
-def _port_is_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("0.0.0.0", port))
-        except OSError:
-            return False
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("0.0.0.0", 0))
-        return sock.getsockname()[1]
 
 
 def data_path_handle_options() -> dict[str, Any]:

@@ -11,12 +11,13 @@ import contextlib
 import fcntl
 import json
 import os
-import socket
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from fleetserve.platform.ports import bindable
 
 # vLLM's connector class for each platform connector name.
 CONNECTORS = {"nixl": "NixlConnector"}
@@ -84,16 +85,6 @@ def _locked_registry(path: Path) -> Iterator[dict[str, int]]:
         path.write_text(json.dumps(leases))
 
 
-def _bindable(host: str, port: int) -> bool:
-    with socket.socket() as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
 def lease_side_channel_ports(num_ports: int = 1, host: str = "127.0.0.1", owner_pid: int | None = None,
                              registry: Path | None = None) -> int:
     """Leases ``num_ports`` consecutive free ports on this node; returns the first.
@@ -114,7 +105,7 @@ def lease_side_channel_ports(num_ports: int = 1, host: str = "127.0.0.1", owner_
             ports = range(first, first + num_ports)
             if ports[-1] >= PORT_RANGE[1] or any(port in taken for port in ports):
                 continue
-            if all(_bindable(host, port) for port in ports):
+            if all(bindable(host, port) for port in ports):
                 leases.update({str(port): owner_pid for port in ports})
                 return first
     raise RuntimeError(f"no {num_ports} consecutive free side-channel ports in {PORT_RANGE}")
