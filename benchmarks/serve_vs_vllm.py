@@ -1,6 +1,7 @@
 """fleetserve vs bare vLLM vs Ray Serve LLM: same model, same engine args, same cores, same workload, in one run.
 
     .venv/bin/python benchmarks/serve_vs_vllm.py [--num-prompts 64] [--concurrency 4,16,64] [--binding 0-1,1]
+        [--stream-interval 1,4]
 
 Each server runs alone, its engine pinned to the same cores as the others', and is measured with `fleetserve bench`'s
 runner (warm-ups first). Prints markdown tables of the figures, the ratios to bare vLLM, and each process group's CPU
@@ -113,12 +114,13 @@ def measure(url: str, specs, concurrencies: list[int]) -> list[RunResult]:
     return results
 
 
-def model_entry(binding: str) -> dict:
-    return {**MODEL, "resources": {**MODEL["resources"], "cpu_binding": [binding]}}
+def model_entry(binding: str, stream_interval: int = 1) -> dict:
+    return {**MODEL, "engine_args": {**MODEL["engine_args"], "stream_interval": stream_interval},
+            "resources": {**MODEL["resources"], "cpu_binding": [binding]}}
 
 
-def run_vllm(specs, concurrencies, port: int, binding: str) -> list[RunResult]:
-    model = parse_config({"models": [model_entry(binding)]}).models[0]
+def run_vllm(specs, concurrencies, port: int, binding: str, stream_interval: int) -> list[RunResult]:
+    model = parse_config({"models": [model_entry(binding, stream_interval)]}).models[0]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": binding}
     process = subprocess.Popen(vllm_serve_command(model, port=port), env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
@@ -142,15 +144,15 @@ def _run_until_ready(command: list[str], name: str, specs, concurrencies, port: 
         process.wait(timeout=120)
 
 
-def run_fleetserve(specs, concurrencies, port: int, binding: str) -> list[RunResult]:
+def run_fleetserve(specs, concurrencies, port: int, binding: str, stream_interval: int) -> list[RunResult]:
     config_path = Path(tempfile.mkdtemp()) / "bench.yaml"
-    config_path.write_text(yaml.safe_dump({"models": [model_entry(binding)]}))
+    config_path.write_text(yaml.safe_dump({"models": [model_entry(binding, stream_interval)]}))
     return _run_until_ready([sys.executable, "-m", "fleetserve.cli", "serve", str(config_path), "--port", str(port)],
                             "fleetserve", specs, concurrencies, port)
 
 
-def run_ray_serve_llm(specs, concurrencies, port: int, binding: str) -> list[RunResult]:
-    entry = json.dumps(model_entry(binding))
+def run_ray_serve_llm(specs, concurrencies, port: int, binding: str, stream_interval: int) -> list[RunResult]:
+    entry = json.dumps(model_entry(binding, stream_interval))
     return _run_until_ready([sys.executable, str(ROOT / "benchmarks" / "ray_serve_llm_server.py"), entry, str(port),
                              binding], "Ray Serve LLM", specs, concurrencies, port)
 
@@ -161,27 +163,32 @@ def main() -> None:
     parser.add_argument("--concurrency", default="4,16,64")
     parser.add_argument("--binding", default="0-1,1",
                         help="engine core bindings to compare, comma-separated; each is used by both servers")
+    parser.add_argument("--stream-interval", default="1",
+                        help="vLLM's stream_interval values to compare, comma-separated; each is given to every server")
     parser.add_argument("--out", type=Path, default=ROOT / "results" / "serve_vs_vllm")
     args = parser.parse_args()
     concurrencies = [int(part) for part in args.concurrency.split(",")]
     specs = workload(args.num_prompts)
     for binding in args.binding.split(","):
-        print(f"engine bound to cores {binding}: bare vLLM ...", flush=True)
-        vllm = run_vllm(specs, concurrencies, 8011, binding)
-        print(f"engine bound to cores {binding}: Ray Serve LLM ...", flush=True)
-        ray_llm = run_ray_serve_llm(specs, concurrencies, 8013, binding)
-        print(f"engine bound to cores {binding}: fleetserve ...", flush=True)
-        ours = run_fleetserve(specs, concurrencies, 8012, binding)
-        servers = {"bare vLLM": vllm, "Ray Serve LLM": ray_llm, "fleetserve": ours}
-        for name, results in servers.items():
-            save_results(args.out / f"{name.replace(' ', '-').lower()}-cores{binding}.json", results, detailed=False)
-        report(binding, concurrencies, servers)
+        for stream_interval in [int(part) for part in args.stream_interval.split(",")]:
+            setup = f"engine on cores {binding}, stream_interval {stream_interval}"
+            print(f"{setup}: bare vLLM ...", flush=True)
+            vllm = run_vllm(specs, concurrencies, 8011, binding, stream_interval)
+            print(f"{setup}: Ray Serve LLM ...", flush=True)
+            ray_llm = run_ray_serve_llm(specs, concurrencies, 8013, binding, stream_interval)
+            print(f"{setup}: fleetserve ...", flush=True)
+            ours = run_fleetserve(specs, concurrencies, 8012, binding, stream_interval)
+            servers = {"bare vLLM": vllm, "Ray Serve LLM": ray_llm, "fleetserve": ours}
+            suffix = f"cores{binding}" + (f"-interval{stream_interval}" if stream_interval > 1 else "")
+            for name, results in servers.items():
+                save_results(args.out / f"{name.replace(' ', '-').lower()}-{suffix}.json", results, detailed=False)
+            report(setup, concurrencies, servers)
 
 
-def report(binding: str, concurrencies: list[int], servers: dict[str, list[RunResult]]) -> None:
+def report(setup: str, concurrencies: list[int], servers: dict[str, list[RunResult]]) -> None:
     """Markdown tables: each figure per server with its ratio to bare vLLM, then CPU per token per group."""
     names = list(servers)
-    print(f"\n### engine on cores {binding}\n")
+    print(f"\n### {setup}\n")
     print("| concurrency | figure | " + " | ".join(names) + " | " +
           " | ".join(f"{name} / vLLM" for name in names[1:]) + " |")
     print("|---" * (2 + 2 * len(names) - 1) + "|")

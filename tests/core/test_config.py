@@ -24,10 +24,11 @@ def test_default_config_serves_smollm2():
 
 def test_engine_args_pass_through_to_vllm_kwargs():
     config = parse_config({"models": [{"name": "m", "source": "x", "engine_args": {
-        "max_model_len": 512, "max_num_seqs": 4, "extra": {"enforce_eager": True}}}]})
+        "max_model_len": 512, "max_num_seqs": 4, "stream_interval": 4, "extra": {"enforce_eager": True}}}]})
     kwargs = config.models[0].engine_args.to_vllm_kwargs()
     # Unset optional fields (block_size, quantization, ...) are left to vLLM's defaults.
     assert kwargs["max_model_len"] == 512 and kwargs["max_num_seqs"] == 4 and kwargs["enforce_eager"] is True
+    assert kwargs["stream_interval"] == 4
     assert "block_size" not in kwargs and "quantization" not in kwargs
 
 
@@ -44,6 +45,8 @@ def test_deployment_options_come_from_config():
      "models.0.engine_args.max_model_lenn: unknown key"),
     ({"models": [{"name": "m", "source": "x", "engine_args": {"dtype": "fp7"}}]},
      "models.0.engine_args.dtype: Input should be 'auto', 'bfloat16', 'float16' or 'float32' (got 'fp7')"),
+    ({"models": [{"name": "m", "source": "x", "engine_args": {"stream_interval": 0}}]},
+     "models.0.engine_args.stream_interval: Input should be greater than or equal to 1 (got 0)"),
     ({"models": [{"name": "m", "source": "x", "replicas": 0}]},
      "models.0.replicas: Input should be greater than or equal to 1 (got 0)"),
     ({"models": [{"source": "x"}]}, "models.0.name: required key is missing"),
