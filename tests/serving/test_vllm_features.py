@@ -89,25 +89,27 @@ def test_echo_returns_the_prompt_first(client):
     assert reply.choices[0].text.startswith("One, two,")
 
 
+def streamed_token_ids(response: httpx.Response) -> list[list[int]]:
+    """The token ids of each streamed chunk that carries any."""
+    assert response.status_code == 200, response.text
+    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [choice["token_ids"] for event in events[:-1] for choice in json.loads(event)["choices"]
+            if choice["token_ids"]]
+
+
 def test_stream_interval_groups_the_tokens_after_the_first(served):
     # vLLM sends the first token alone, then one chunk per 4 new tokens, and what is left at the end:
     # 9 tokens = 1 + 4 + 4. The path may join several events into one write, but never merges or splits
     # an event, so the client sees exactly vLLM's grouping.
     body = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 9, "temperature": 0,
             "ignore_eos": True, "stream": True, "return_token_ids": True}
-    response = post(served, "/v1/completions", {**body, "stream_interval": 4})
-    assert response.status_code == 200, response.text
-    events = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    choices = [choice for event in events[:-1] for choice in json.loads(event)["choices"]]
-    assert [len(choice["token_ids"]) for choice in choices if choice["token_ids"]] == [1, 4, 4]
-    # The same tokens as without it, which streams them one per chunk.
-    plain = post(served, "/v1/completions", body)
-    plain_choices = [choice for line in plain.text.splitlines() if line.startswith("data: {")
-                     for choice in json.loads(line[len("data: "):])["choices"]]
-    assert [len(choice["token_ids"]) for choice in plain_choices if choice["token_ids"]] == [1] * 9
-    assert ([token for choice in choices for token in choice["token_ids"]]
-            == [token for choice in plain_choices for token in choice["token_ids"]])
+    grouped = streamed_token_ids(post(served, "/v1/completions", {**body, "stream_interval": 4}))
+    plain = streamed_token_ids(post(served, "/v1/completions", body))
+    assert [len(ids) for ids in grouped] == [1, 4, 4]
+    # Without it, one token per chunk; the same tokens either way.
+    assert [len(ids) for ids in plain] == [1] * 9
+    assert sum(grouped, []) == sum(plain, [])
 
 
 def test_tokenize_round_trips(served):
