@@ -2,7 +2,9 @@
 and with --tenants, a light tenant beside a heavy one's flood, with fair shares of the queue on and off.
 
     .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
-    .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~6 min
+    .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~8 min
+                                            [--engine-cores 1 --front-door-cores 0 --load-tester-cores 1]
+                                            [--max-num-seqs 4]
     .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--memray] [--worker-env K=V ...]
                                             [--cpu-hog 60:60] [--ingress-max-ongoing N] [--rate R]
     .venv/bin/python benchmarks/overload.py --compare-memory RESULT.json ...
@@ -17,10 +19,14 @@ same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `f
              default, where every request queues until served or timed out
 
 With --tenants: tenant B sends at 0.2x capacity alone, then beside tenant A at 3x capacity (--heavy-factor), once with
-fair shares (limits.fair_share_from 0.5, equal weights), once without (fair_share_from 1.0), and once
-with shares and A as a batch tenant on engines with vLLM's priority scheduling. Reported:
+fair shares (limits.fair_share_from 0.5, equal weights), once without (fair_share_from 1.0), once with shares
+on engines with vLLM's priority scheduling (where a request admitted past its tenant's share runs after those
+within theirs), and once with that and A as a batch tenant. Reported:
 B's goodput and p99 TTFT against B alone, what A got, how long A's refusals took (the front door's own
-latency under the flood), and the cores each part of the stack used.
+latency under the flood), and the cores each part of the stack used. --engine-cores puts one engine replica
+on each core listed (default 0,1: one per core, sharing them with everything else); --front-door-cores pins
+Ray and all it starts there, so that only the engines' vLLM workers leave those cores (a GPU node's split in
+miniature), and --load-tester-cores moves the load tester off them.
 
 With --memory: the bounded setup alone, for --seconds (default 300), sampling the ingress's resident memory
 every second. After --warmup-s the ingress marks its heap; at the end it reports what the heap gained since:
@@ -71,21 +77,26 @@ SLO = {"ttft": 5000.0}
 
 
 KEYS = {"heavy": "sk-overload-heavy", "light": "sk-overload-light"}
-# (name, limits.fair_share_from, A is a batch tenant on priority-scheduled engines)
-TENANT_SETUPS = [("shares off", 1.0, False), ("shares on", 0.5, False), ("shares on, A batch", 0.5, True)]
+# (name, limits.fair_share_from, engines schedule by vLLM's priority, A is a batch tenant). On priority
+# engines a request admitted past its tenant's share runs after those within theirs.
+TENANT_SETUPS = [("shares off", 1.0, False, False), ("shares on", 0.5, False, False),
+                 ("shares on, priority engines", 0.5, True, False), ("shares on, A batch", 0.5, True, True)]
 SEEDS = {"heavy": 2, "light": 1}
+# Where the engines' vLLM workers run by default: one replica on each core, beside the front door.
+ENGINE_CORES = ["0", "1"]
 
 
 def slug(text: str) -> str:
     return re.sub(r"\W+", "-", text)
 
 
-def tenants_config(fair_share_from: float, heavy_batch: bool) -> dict:
+def tenants_config(fair_share_from: float, priority_engines: bool, heavy_batch: bool,
+                   engine_cores: list[str] = ENGINE_CORES, max_num_seqs: int = 16) -> dict:
     from fleetserve.deployments.ingress.security import hash_key
 
-    model = model_config()
-    if heavy_batch:
-        # vLLM's priority scheduling: the engines run interactive (priority 0) requests before batch (1).
+    model = model_config(engine_cores, max_num_seqs)
+    if priority_engines:
+        # vLLM's priority scheduling: the engines run lower priorities first (the ingress sets them).
         model["engine_args"]["extra"]["scheduling_policy"] = "priority"
     return {"models": [model],
             "limits": {**SETUPS["bounded"], "fair_share_from": fair_share_from},
@@ -94,11 +105,12 @@ def tenants_config(fair_share_from: float, heavy_batch: bool) -> dict:
                      "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]}}
 
 
-def model_config() -> dict:
-    args = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * 2**20, "max_num_seqs": 16,
-            "extra": {"enforce_eager": True}}
-    return {"name": MODEL, "source": "tiny-random-llama", "replicas": 2, "engine_args": args,
-            "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]}}
+def model_config(engine_cores: list[str] = ENGINE_CORES, max_num_seqs: int = 16) -> dict:
+    """One engine replica per entry of engine_cores, its vLLM worker pinned there."""
+    args = {"dtype": "float32", "max_model_len": 1024, "kv_cache_memory_bytes": 64 * 2**20,
+            "max_num_seqs": max_num_seqs, "extra": {"enforce_eager": True}}
+    return {"name": MODEL, "source": "tiny-random-llama", "replicas": len(engine_cores), "engine_args": args,
+            "resources": {"num_cpus": 0.1, "cpu_binding": list(engine_cores)}}
 
 
 def specs(num: int) -> list[RequestSpec]:
@@ -179,6 +191,27 @@ def cpu_hog(start_s: float, seconds: float) -> None:
         spinner.wait()
 
 
+def thread_cores() -> dict[str, dict[str, int]]:
+    """Per part of the stack, how many of its processes' threads may run on each set of cores: shows where
+    --front-door-cores and --engine-cores put things."""
+    import psutil
+
+    from serve_vs_vllm import _group
+
+    counts: dict[str, dict[str, int]] = {}
+    for process in psutil.process_iter():
+        group = _group(process)
+        try:
+            tids = [thread.id for thread in process.threads()] if group else []
+            for tid in tids:
+                cores = ",".join(map(str, sorted(os.sched_getaffinity(tid))))
+                counts.setdefault(group, {}).setdefault(cores, 0)
+                counts[group][cores] += 1
+        except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
+            continue
+    return counts
+
+
 def peak_in_flight(records) -> int:
     """Most requests open at once, from the client's records (start to end, refusals included)."""
     events = sorted([(r.start, 1) for r in records] + [(r.start + (r.e2el or 0.0), -1) for r in records])
@@ -214,6 +247,19 @@ def main() -> None:
                         help="--memory: limits.ingress_max_ongoing_requests (fleetserve's default otherwise)")
     parser.add_argument("--cpu-hog", default=None, metavar="START:SECONDS",
                         help="--memory: one busy process per core from START s into the overload, for SECONDS")
+    parser.add_argument("--engine-cores", type=lambda text: text.split(","), default=ENGINE_CORES, metavar="0,1",
+                        help="--tenants: one engine replica per core listed, its vLLM worker pinned there")
+    parser.add_argument("--front-door-cores", type=lambda text: {int(core) for core in text.split(",")},
+                        default=None, metavar="0",
+                        help="--tenants: pin Ray and everything it starts (proxy, ingress, replicas' front ends), "
+                             "and the load tester, to these cores; the engines' workers pin themselves")
+    parser.add_argument("--load-tester-cores", type=lambda text: {int(core) for core in text.split(",")},
+                        default=None, metavar="1",
+                        help="--tenants: move the load tester (this process's main thread) to these cores once "
+                             "Ray has started, so that it does not take the front door's")
+    parser.add_argument("--max-num-seqs", type=int, default=16,
+                        help="--tenants: each engine's max_num_seqs (fewer: a capacity, and so a flood, small "
+                             "enough for the front door to carry)")
     parser.add_argument("--compare-memory", nargs="+", type=Path, metavar="RESULT",
                         help="plot --memory results together, each labelled by its file name (no run)")
     args = parser.parse_args()
@@ -232,9 +278,16 @@ def main() -> None:
     for assignment in args.worker_env:
         key, _, value = assignment.partition("=")
         os.environ[key] = value
+    if args.front_door_cores:
+        # Ray's processes inherit this affinity; vLLM's CPU worker then binds its own threads to
+        # VLLM_CPU_OMP_THREADS_BIND, so only the engines leave these cores (a GPU node's split, in miniature).
+        os.sched_setaffinity(0, args.front_door_cores)
     # As `fleetserve serve` starts its cluster: Serve's proxy on the fast path when the default config has it.
     ray.init(include_dashboard=False, log_to_driver=False, runtime_env=local_cluster_runtime_env(ServerConfig()))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
+    if args.load_tester_cores:
+        # Ray's processes keep the affinity they started with; threads this one starts from now inherit it.
+        os.sched_setaffinity(0, args.load_tester_cores)
     base_url = f"http://127.0.0.1:{PORT}"
     if args.tenants or args.memory:
         try:
@@ -437,13 +490,16 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
     # Per setup, the cores each part of the stack used while the tenants ran (user + system CPU / wall).
     cores: dict[str, dict[str, float]] = {}
     capacity = None
-    for setup, fair_share_from, heavy_batch in TENANT_SETUPS:
-        serve.run(build_app(parse_config(tenants_config(fair_share_from, heavy_batch))), name="fleetserve",
+    for setup, fair_share_from, priority_engines, heavy_batch in TENANT_SETUPS:
+        config = tenants_config(fair_share_from, priority_engines, heavy_batch, args.engine_cores,
+                                args.max_num_seqs)
+        serve.run(build_app(parse_config(config)), name="fleetserve",
                   route_prefix="/")
         if capacity is None:
             probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
                                                           max_concurrency=32, api_key=KEYS["light"]), specs(96)))
             capacity = probe.metrics["request_throughput"]
+            print("threads by part and cores:", dict(sorted(thread_cores().items())))
             print(f"capacity: {capacity:.2f} req/s; B at {0.2 * capacity:.2f} req/s, A at "
                   f"{args.heavy_factor * capacity:.2f} req/s", flush=True)
             (alone,) = asyncio.run(together([bench("light", 0.2 * capacity)]))
@@ -458,7 +514,7 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
         save_results(args.out / f"tenants-{slug(setup)}.json", [light, heavy], detailed=True)
         serve.delete("fleetserve")
     alone = rows["B alone"]["B"].metrics
-    setups = [setup for setup, _, _ in TENANT_SETUPS]
+    setups = [setup for setup, *_ in TENANT_SETUPS]
     print(f"\n| figure | B alone | {' | '.join(f'B beside A, {setup}' for setup in setups)} |")
     print(f"|---|---|{'---|' * len(setups)}")
     for name, key, fmt in (("B goodput, TTFT <= 5 s (req/s)", "request_goodput", "{:.2f}"),

@@ -11,7 +11,7 @@ import httpx
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.model_clients import LocalModelClient
 from fleetserve.deployments.ingress.security import FrontDoor, hash_key
-from fleetserve.deployments.ingress.server import OpenAIIngress
+from fleetserve.deployments.ingress.server import BATCH_PRIORITY, OpenAIIngress
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig
 from fleetserve.platform.replica_report import ReplicaReport
 
@@ -78,7 +78,11 @@ async def test_weights_split_the_queue(fake_engine_cls):
     assert sorted(statuses["light"]) == [200] * 2 + [503] * 3
 
 
-def classed_ingress(engine_cls, scheduling_policy: str | None = None) -> tuple[OpenAIIngress, EngineServer]:
+BATCH_HEAVY = {"heavy": {"weight": 3.0, "priority": "batch"}, "light": {}}
+
+
+def classed_ingress(engine_cls, scheduling_policy: str | None = None,
+                    tenants: dict = BATCH_HEAVY) -> tuple[OpenAIIngress, EngineServer]:
     class SlowStart(engine_cls):
         first_token_s = 2.0
 
@@ -86,7 +90,7 @@ def classed_ingress(engine_cls, scheduling_policy: str | None = None) -> tuple[O
     model = ModelConfig(name="fake", source="unused", engine_args={"max_num_seqs": 1, "extra": extra})
     server = EngineServer(model, engine_cls=SlowStart, model_path="/unused")
     auth = AuthConfig.model_validate({
-        "tenants": {"heavy": {"weight": 3.0, "priority": "batch"}, "light": {}},
+        "tenants": tenants,
         "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]})
     app = OpenAIIngress({"fake": LocalModelClient(server)}, models={"fake": model}, front_door=FrontDoor(auth),
                         limits=LimitsConfig(min_queued_per_replica=8, fair_share_from=0.5))
@@ -114,5 +118,21 @@ async def test_on_a_priority_scheduled_engine_the_platform_sets_each_requests_pr
         for tenant in ("heavy", "light"):
             reply = await http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[tenant]}"})
             assert reply.status_code == 200
-    # batch runs after interactive: vLLM's priority 1 and 0 (lower first).
-    assert [body["priority"] for body in server.engine.bodies] == [1, 0]
+    # batch runs after every interactive request: vLLM's priority BATCH_PRIORITY + 0 and 0 (lower first); each
+    # was sent alone, with none of its tenant's requests ahead of it.
+    assert [body["priority"] for body in server.engine.bodies] == [BATCH_PRIORITY, 0]
+
+
+async def test_on_a_priority_scheduled_engine_a_tenants_kth_request_waits_behind_others_with_fewer_ahead(
+        fake_engine_cls):
+    # Both interactive, weights 3:1 (shares 0.75 and 0.25); every request stays in flight (first token at 2 s).
+    app, server = classed_ingress(fake_engine_cls, scheduling_policy="priority",
+                                  tenants={"heavy": {"weight": 3.0}, "light": {}})
+    statuses = await flood(app, ["heavy"] * 5 + ["light"] * 2)
+    # Admission: heavy's k-th makes queued k - 1 <= 4 (half the queue of 8): all 5 in. light's j-th makes queued
+    # 4 + j > 4 and holds j of its share floor(0.25 x (8 + 1)) = 2: both in.
+    assert statuses == {"heavy": [200] * 5, "light": [200] * 2}
+    # Priority = requests of the tenant already in flight / its share, rounded down. heavy: 0/0.75, 1/0.75,
+    # 2/0.75, 3/0.75, 4/0.75 = 0, 1, 2, 4, 5; light: 0/0.25, 1/0.25 = 0, 4. So light's first request runs before
+    # heavy's 2nd-5th though it came after them, and its second ties with heavy's 4th (then arrival order).
+    assert [body["priority"] for body in server.engine.bodies] == [0, 1, 2, 4, 5, 0, 4]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -66,8 +67,9 @@ from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, 
 logger = logging.getLogger(__name__)
 
 
-# vLLM's request priority per tenant class: lower is scheduled first.
-PRIORITY_RANK = {"interactive": 0, "batch": 1}
+# Added to a batch tenant's vLLM priorities (lower is scheduled first): beyond any interactive rank (requests in
+# flight over a share), so all interactive work runs first.
+BATCH_PRIORITY = 10**12
 # The endpoints whose vLLM request takes a priority.
 PRIORITY_ENDPOINTS = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES)
 # Every path the ingress forwards; requests on them are counted in fleetserve_requests_total.
@@ -355,12 +357,20 @@ class OpenAIIngress:
         return client
 
     def _priority(self, model: str, tenant: str | None) -> int | None:
-        """vLLM's request priority for the tenant's class (0 interactive, 1 batch; lower runs first), on a
-        model whose engines schedule by priority; None elsewhere (vLLM refuses priorities there)."""
+        """vLLM's request priority (lower runs first) on a model whose engines schedule by priority; None
+        elsewhere (vLLM refuses priorities there).
+
+        Fair queuing by weight: a request's priority is how many of its tenant's requests are already in
+        flight, over the tenant's share of the weights (rounded down), so each tenant's k-th request waits
+        behind the others' requests with fewer ahead of them, not behind a flood's whole backlog. Batch
+        tenants' requests come after every interactive one.
+        """
         config = self._config(model)
         if tenant is None or config is None or config.engine_args.extra.get("scheduling_policy") != "priority":
             return None
-        return PRIORITY_RANK["batch" if self.front_door.is_batch(tenant) else "interactive"]
+        ahead = self.work.in_flight_by_tenant[self._base(model), tenant]
+        rank = math.floor(ahead / self.front_door.share(tenant))
+        return rank + (BATCH_PRIORITY if self.front_door.is_batch(tenant) else 0)
 
     def _forwarded_body(self, endpoint: Endpoint, fields: RequestFields, model: str, body: bytes,
                         priority: int | None = None) -> tuple[bytes, bool]:
