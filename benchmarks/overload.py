@@ -20,8 +20,8 @@ same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `f
 
 With --tenants: tenant B sends at 0.2x capacity alone, then beside tenant A at 3x capacity (--heavy-factor), once with
 fair shares (limits.fair_share_from 0.5, equal weights), once without (fair_share_from 1.0), once with shares
-on engines with vLLM's priority scheduling (where a request admitted past its tenant's share runs after those
-within theirs), and once with that and A as a batch tenant. Reported:
+on engines with vLLM's priority scheduling (where the ingress queues tenants fairly: a request's priority is
+its tenant's requests in flight over its share), and once with that and A as a batch tenant. Reported:
 B's goodput and p99 TTFT against B alone, what A got, how long A's refusals took (the front door's own
 latency under the flood), and the cores each part of the stack used. --engine-cores puts one engine replica
 on each core listed (default 0,1: one per core, sharing them with everything else); --front-door-cores pins
@@ -57,6 +57,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from fleetserve.loadtest.datasets import RequestSpec
@@ -78,7 +79,7 @@ SLO = {"ttft": 5000.0}
 
 KEYS = {"heavy": "sk-overload-heavy", "light": "sk-overload-light"}
 # (name, limits.fair_share_from, engines schedule by vLLM's priority, A is a batch tenant). On priority
-# engines a request admitted past its tenant's share runs after those within theirs.
+# engines the ingress queues tenants fairly by weight (docs/security.md).
 TENANT_SETUPS = [("shares off", 1.0, False, False), ("shares on", 0.5, False, False),
                  ("shares on, priority engines", 0.5, True, False), ("shares on, A batch", 0.5, True, True)]
 SEEDS = {"heavy": 2, "light": 1}
@@ -198,18 +199,17 @@ def thread_cores() -> dict[str, dict[str, int]]:
 
     from serve_vs_vllm import _group
 
-    counts: dict[str, dict[str, int]] = {}
+    counts: dict[str, Counter[str]] = {}
     for process in psutil.process_iter():
         group = _group(process)
+        if group is None:
+            continue
         try:
-            tids = [thread.id for thread in process.threads()] if group else []
-            for tid in tids:
-                cores = ",".join(map(str, sorted(os.sched_getaffinity(tid))))
-                counts.setdefault(group, {}).setdefault(cores, 0)
-                counts[group][cores] += 1
+            counts.setdefault(group, Counter()).update(
+                ",".join(map(str, sorted(os.sched_getaffinity(thread.id)))) for thread in process.threads())
         except (psutil.NoSuchProcess, psutil.AccessDenied, ProcessLookupError):
             continue
-    return counts
+    return {group: dict(cores) for group, cores in counts.items()}
 
 
 def peak_in_flight(records) -> int:
@@ -220,6 +220,11 @@ def peak_in_flight(records) -> int:
         level += step
         peak = max(peak, level)
     return peak
+
+
+def core_set(text: str) -> set[int]:
+    """A comma-separated list of cores, for os.sched_setaffinity."""
+    return {int(core) for core in text.split(",")}
 
 
 def main() -> None:
@@ -249,12 +254,10 @@ def main() -> None:
                         help="--memory: one busy process per core from START s into the overload, for SECONDS")
     parser.add_argument("--engine-cores", type=lambda text: text.split(","), default=ENGINE_CORES, metavar="0,1",
                         help="--tenants: one engine replica per core listed, its vLLM worker pinned there")
-    parser.add_argument("--front-door-cores", type=lambda text: {int(core) for core in text.split(",")},
-                        default=None, metavar="0",
+    parser.add_argument("--front-door-cores", type=core_set, default=None, metavar="0",
                         help="--tenants: pin Ray and everything it starts (proxy, ingress, replicas' front ends), "
                              "and the load tester, to these cores; the engines' workers pin themselves")
-    parser.add_argument("--load-tester-cores", type=lambda text: {int(core) for core in text.split(",")},
-                        default=None, metavar="1",
+    parser.add_argument("--load-tester-cores", type=core_set, default=None, metavar="1",
                         help="--tenants: move the load tester (this process's main thread) to these cores once "
                              "Ray has started, so that it does not take the front door's")
     parser.add_argument("--max-num-seqs", type=int, default=16,
@@ -493,8 +496,7 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
     for setup, fair_share_from, priority_engines, heavy_batch in TENANT_SETUPS:
         config = tenants_config(fair_share_from, priority_engines, heavy_batch, args.engine_cores,
                                 args.max_num_seqs)
-        serve.run(build_app(parse_config(config)), name="fleetserve",
-                  route_prefix="/")
+        serve.run(build_app(parse_config(config)), name="fleetserve", route_prefix="/")
         if capacity is None:
             probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
                                                           max_concurrency=32, api_key=KEYS["light"]), specs(96)))

@@ -6,6 +6,7 @@ fleetserve's path (ingress, Serve, replica) carries every one of them through in
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import httpx
@@ -100,7 +101,7 @@ def streamed_token_ids(response: httpx.Response) -> list[list[int]]:
 
 def ends_of_chunks(chunks: list[list[int]]) -> set[int]:
     """How many tokens had been streamed at the end of each chunk."""
-    return {sum(len(ids) for ids in chunks[:index + 1]) for index in range(len(chunks))}
+    return set(itertools.accumulate(map(len, chunks)))
 
 
 def test_stream_interval_groups_the_tokens_after_the_first(served):
