@@ -2,9 +2,10 @@
 and with --tenants, a light tenant beside a heavy one's flood, with fair shares of the queue on and off.
 
     .venv/bin/python benchmarks/overload.py [--seconds 60] [--factor 2]     # ~6 min
-    .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~8 min
+    .venv/bin/python benchmarks/overload.py --tenants [--seconds 45]        # ~10 min
                                             [--engine-cores 1 --front-door-cores 0 --load-tester-cores 1]
-                                            [--max-num-seqs 4]
+                                            [--max-num-seqs 4] [--setups SLUG ...] [--fast-path]
+                                            [--reserved-slots N]
     .venv/bin/python benchmarks/overload.py --memory [--seconds 300] [--tracemalloc 8] [--memray] [--worker-env K=V ...]
                                             [--cpu-hog 60:60] [--ingress-max-ongoing N] [--rate R]
     .venv/bin/python benchmarks/overload.py --compare-memory RESULT.json ...
@@ -21,7 +22,10 @@ same open-loop Poisson load at ``factor`` x capacity for ``seconds``, through `f
 With --tenants: tenant B sends at 0.2x capacity alone, then beside tenant A at 3x capacity (--heavy-factor), once with
 fair shares (limits.fair_share_from 0.5, equal weights), once without (fair_share_from 1.0), once with shares
 on engines with vLLM's priority scheduling (where the ingress queues tenants fairly: a request's priority is
-its tenant's requests in flight over its share), and once with that and A as a batch tenant. Reported:
+its start tag under fair queuing by weight), once with that and A as a batch tenant, and once with priority
+engines and --reserved-slots engine slots (default 1) kept for requests on the fair schedule
+(limits.num_reserved_slots), all five unless --setups names some (by slug: shares-off,
+shares-on-priority-engines-slots-reserved). Reported:
 B's goodput and p99 TTFT against B alone, what A got, how long A's refusals took (the front door's own
 latency under the flood), and the cores each part of the stack used. --engine-cores puts one engine replica
 on each core listed (default 0,1: one per core, sharing them with everything else); --front-door-cores pins
@@ -78,10 +82,12 @@ SLO = {"ttft": 5000.0}
 
 
 KEYS = {"heavy": "sk-overload-heavy", "light": "sk-overload-light"}
-# (name, limits.fair_share_from, engines schedule by vLLM's priority, A is a batch tenant). On priority
-# engines the ingress queues tenants fairly by weight (docs/security.md).
-TENANT_SETUPS = [("shares off", 1.0, False, False), ("shares on", 0.5, False, False),
-                 ("shares on, priority engines", 0.5, True, False), ("shares on, A batch", 0.5, True, True)]
+# (name, limits.fair_share_from, engines schedule by vLLM's priority, A is a batch tenant,
+# limits.num_reserved_slots). On priority engines the ingress queues tenants fairly by weight; reserved slots
+# are kept for requests on the fair schedule (docs/security.md); --reserved-slots overrides the 1.
+TENANT_SETUPS = [("shares off", 1.0, False, False, 0), ("shares on", 0.5, False, False, 0),
+                 ("shares on, priority engines", 0.5, True, False, 0), ("shares on, A batch", 0.5, True, True, 0),
+                 ("shares on, priority engines, slots reserved", 0.5, True, False, 1)]
 SEEDS = {"heavy": 2, "light": 1}
 # Where the engines' vLLM workers run by default: one replica on each core, beside the front door.
 ENGINE_CORES = ["0", "1"]
@@ -91,16 +97,17 @@ def slug(text: str) -> str:
     return re.sub(r"\W+", "-", text)
 
 
-def tenants_config(fair_share_from: float, priority_engines: bool, heavy_batch: bool,
-                   engine_cores: list[str] = ENGINE_CORES, max_num_seqs: int = 16) -> dict:
+def tenants_config(fair_share_from: float, priority_engines: bool, heavy_batch: bool, num_reserved_slots: int = 0,
+                   engine_cores: list[str] = ENGINE_CORES, max_num_seqs: int = 16, fast_path: bool = False) -> dict:
     from fleetserve.deployments.ingress.security import hash_key
 
     model = model_config(engine_cores, max_num_seqs)
     if priority_engines:
         # vLLM's priority scheduling: the engines run lower priorities first (the ingress sets them).
         model["engine_args"]["extra"]["scheduling_policy"] = "priority"
-    return {"models": [model],
-            "limits": {**SETUPS["bounded"], "fair_share_from": fair_share_from},
+    return {"models": [model], "server": {"serve_fast_path": fast_path},
+            "limits": {**SETUPS["bounded"], "fair_share_from": fair_share_from,
+                       "num_reserved_slots": num_reserved_slots},
             "auth": {"tenants": {name: ({"priority": "batch"} if heavy_batch and name == "heavy" else {})
                                  for name in KEYS},
                      "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]}}
@@ -263,6 +270,12 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=16,
                         help="--tenants: each engine's max_num_seqs (fewer: a capacity, and so a flood, small "
                              "enough for the front door to carry)")
+    parser.add_argument("--fast-path", action="store_true",
+                        help="--tenants: on Serve's fast path (server.serve_fast_path: gRPC, HAProxy in front)")
+    parser.add_argument("--reserved-slots", type=int, default=1,
+                        help="--tenants: limits.num_reserved_slots of the slots-reserved setup")
+    parser.add_argument("--setups", nargs="+", choices=[slug(spec[0]) for spec in TENANT_SETUPS], default=None,
+                        help="--tenants: run only these setups (default: all)")
     parser.add_argument("--compare-memory", nargs="+", type=Path, metavar="RESULT",
                         help="plot --memory results together, each labelled by its file name (no run)")
     args = parser.parse_args()
@@ -286,7 +299,8 @@ def main() -> None:
         # VLLM_CPU_OMP_THREADS_BIND, so only the engines leave these cores (a GPU node's split, in miniature).
         os.sched_setaffinity(0, args.front_door_cores)
     # As `fleetserve serve` starts its cluster: Serve's proxy on the fast path when the default config has it.
-    ray.init(include_dashboard=False, log_to_driver=False, runtime_env=local_cluster_runtime_env(ServerConfig()))
+    ray.init(include_dashboard=False, log_to_driver=False,
+             runtime_env=local_cluster_runtime_env(ServerConfig(serve_fast_path=args.fast_path)))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     if args.load_tester_cores:
         # Ray's processes keep the affinity they started with; threads this one starts from now inherit it.
@@ -493,9 +507,11 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
     # Per setup, the cores each part of the stack used while the tenants ran (user + system CPU / wall).
     cores: dict[str, dict[str, float]] = {}
     capacity = None
-    for setup, fair_share_from, priority_engines, heavy_batch in TENANT_SETUPS:
-        config = tenants_config(fair_share_from, priority_engines, heavy_batch, args.engine_cores,
-                                args.max_num_seqs)
+    chosen = [spec for spec in TENANT_SETUPS if args.setups is None or slug(spec[0]) in args.setups]
+    for setup, fair_share_from, priority_engines, heavy_batch, num_reserved_slots in chosen:
+        num_reserved_slots = num_reserved_slots and args.reserved_slots
+        config = tenants_config(fair_share_from, priority_engines, heavy_batch, num_reserved_slots,
+                                args.engine_cores, args.max_num_seqs, args.fast_path)
         serve.run(build_app(parse_config(config)), name="fleetserve", route_prefix="/")
         if capacity is None:
             probe = asyncio.run(run_benchmark(BenchConfig(base_url=base_url, model=MODEL, ignore_eos=True,
@@ -516,7 +532,7 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
         save_results(args.out / f"tenants-{slug(setup)}.json", [light, heavy], detailed=True)
         serve.delete("fleetserve")
     alone = rows["B alone"]["B"].metrics
-    setups = [setup for setup, *_ in TENANT_SETUPS]
+    setups = [setup for setup, *_ in chosen]
     print(f"\n| figure | B alone | {' | '.join(f'B beside A, {setup}' for setup in setups)} |")
     print(f"|---|---|{'---|' * len(setups)}")
     for name, key, fmt in (("B goodput, TTFT <= 5 s (req/s)", "request_goodput", "{:.2f}"),

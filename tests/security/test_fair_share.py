@@ -11,7 +11,8 @@ import httpx
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.model_clients import LocalModelClient
 from fleetserve.deployments.ingress.security import FrontDoor, hash_key
-from fleetserve.deployments.ingress.server import BATCH_PRIORITY, OpenAIIngress
+from fleetserve.deployments.ingress.fair_queue import BATCH_PRIORITY, FairQueue
+from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig
 from fleetserve.platform.replica_report import ReplicaReport
 
@@ -119,12 +120,11 @@ async def test_on_a_priority_scheduled_engine_the_platform_sets_each_requests_pr
             reply = await http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[tenant]}"})
             assert reply.status_code == 200
     # batch runs after every interactive request: vLLM's priority BATCH_PRIORITY + 0 and 0 (lower first); each
-    # was sent alone, with none of its tenant's requests ahead of it.
+    # tenant's first request is tagged at the virtual time, 0.
     assert [body["priority"] for body in server.engine.bodies] == [BATCH_PRIORITY, 0]
 
 
-async def test_on_a_priority_scheduled_engine_a_tenants_kth_request_waits_behind_others_with_fewer_ahead(
-        fake_engine_cls):
+async def test_on_a_priority_scheduled_engine_a_light_tenant_goes_before_a_floods_backlog(fake_engine_cls):
     # Both interactive, weights 3:1 (shares 0.75 and 0.25); every request stays in flight (first token at 2 s).
     app, server = classed_ingress(fake_engine_cls, scheduling_policy="priority",
                                   tenants={"heavy": {"weight": 3.0}, "light": {}})
@@ -132,7 +132,22 @@ async def test_on_a_priority_scheduled_engine_a_tenants_kth_request_waits_behind
     # Admission: heavy's k-th makes queued k - 1 <= 4 (half the queue of 8): all 5 in. light's j-th makes queued
     # 4 + j > 4 and holds j of its share floor(0.25 x (8 + 1)) = 2: both in.
     assert statuses == {"heavy": [200] * 5, "light": [200] * 2}
-    # Priority = requests of the tenant already in flight / its share, rounded down. heavy: 0/0.75, 1/0.75,
-    # 2/0.75, 3/0.75, 4/0.75 = 0, 1, 2, 4, 5; light: 0/0.25, 1/0.25 = 0, 4. So light's first request runs before
-    # heavy's 2nd-5th though it came after them, and its second ties with heavy's 4th (then arrival order).
-    assert [body["priority"] for body in server.engine.bodies] == [0, 1, 2, 4, 5, 0, 4]
+    # Start tags (none started yet, so the virtual time stays 0): each request starts where its tenant's last
+    # ended, a request costing 1 / share. heavy: 0, 4/3, 8/3, 4, 16/3; light: 0, 4. In priority steps of 1/1000:
+    # light's first runs before heavy's 2nd-5th though it came after them, and its second ties heavy's 4th.
+    assert [body["priority"] for body in server.engine.bodies] == [0, 1333, 2667, 4000, 5333, 0, 4000]
+
+
+def test_a_floods_tags_keep_their_order_as_its_requests_start():
+    fair = FairQueue()
+    flood = [fair.tag("m", "flood", 0.5) for _ in range(4)]
+    # Each flood request costs 1 / 0.5 = 2: tags 0, 2, 4, 6.
+    assert flood == [0.0, 2.0, 4.0, 6.0]
+    fair.started("m", flood[0])
+    fair.started("m", flood[1])
+    # The virtual time is 2, the last started tag. A new flood request queues after the flood's own (8), never
+    # ahead of its earlier ones, while a light tenant's first request is tagged at the virtual time, 2: ahead
+    # of the flood's backlog (4 and 6).
+    assert (fair.tag("m", "flood", 0.5), fair.tag("m", "light", 0.5)) == (8.0, 2.0)
+    # Another model keeps its own virtual time.
+    assert fair.tag("other", "flood", 0.5) == 0.0

@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
 from fleetserve.deployments.ingress.admission import AdmissionController, TenantQueue
+from fleetserve.deployments.ingress.fair_queue import FairQueue
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.ingress.request_fields import RequestFields
 from fleetserve.deployments.ingress.security import estimated_prompt_tokens
+from fleetserve.deployments.ingress.slots import SlotGate, TenantClass
 from fleetserve.platform.api_types import ReplicaChunk
 from fleetserve.platform.config import LimitsConfig, ModelConfig
 from fleetserve.platform.replica_report import ReplicaReport
@@ -82,6 +84,12 @@ class WorkLimits:
         # Of those, the requests still waiting for their first token (queued or being prefilled).
         self.unstarted: dict[str, int] = {name: 0 for name in models}
         self.admission = {name: AdmissionController(configs.get(name), limits) for name in models}
+        # Start tags of tenants' requests per model: the order the engines (and the slot gates) start them in.
+        self.fair = FairQueue()
+        # Per model, engine slots held for requests on the fair schedule; none when nothing is reserved.
+        self.slots = ({name: SlotGate(limits.num_reserved_slots, self._num_slots(name),
+                                      lambda name=name: self.fair.virtual_time.get(name, 0.0)) for name in models}
+                      if limits.num_reserved_slots else {})
         self.load_source = load_source
         self._load_refresher: asyncio.Task | None = None
 
@@ -92,6 +100,8 @@ class WorkLimits:
                 loads = await self.load_source()
                 for name, controller in self.admission.items():
                     controller.observe(loads.get(name, []))
+                    if name in self.slots:
+                        self.slots[name].resize(self._num_slots(name))
             except Exception:  # noqa: BLE001 - stale stats only loosen admission to its hard bound
                 logger.warning("reading engine load for admission control failed; retrying", exc_info=True)
             await asyncio.sleep(LOAD_REFRESH_S)
@@ -105,9 +115,8 @@ class WorkLimits:
         finally:
             self.unstarted[model] -= 1
 
-    def admit(self, model: str, tenant: str | None = None, share: float | None = None, batch: bool = False) -> None:
-        """Admission control for one request to ``model``, from ``tenant`` with its weighted ``share`` (and
-        its priority class: ``batch`` or interactive).
+    def admit(self, model: str, tenant: TenantClass | None = None) -> None:
+        """Admission control for one request to ``model`` from ``tenant`` (its weighted share and class).
 
         Raises:
             APIError: 503 ``overloaded`` with Retry-After.
@@ -115,8 +124,8 @@ class WorkLimits:
         if self.load_source is not None and self._load_refresher is None:
             self._load_refresher = asyncio.get_running_loop().create_task(self._refresh_loads())
         controller = self.admission[model]
-        queue = (TenantQueue(self.in_flight_by_tenant[model, tenant], share, batch)
-                 if tenant is not None and share is not None else None)
+        queue = (TenantQueue(self.in_flight_by_tenant[model, tenant.tenant], tenant.share, tenant.batch)
+                 if tenant is not None else None)
         decision = controller.decide(self.in_flight[model], self.unstarted[model], queue)
         if not decision.admitted:
             bound = ("batch" if decision.batch_places is not None else
@@ -127,23 +136,33 @@ class WorkLimits:
         if decision.queue_allowance is not None:
             self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)
 
+    def _num_slots(self, model: str) -> int:
+        """The model's engine slots: max_num_seqs x serving replicas (one before the first report)."""
+        controller = self.admission[model]
+        return controller.max_num_seqs * max(1, controller.num_serving() or 0)
+
     def num_serving(self, model: str) -> int | None:
         """Serving replicas the engines' reports show for ``model``; None before the first reading."""
         return self.admission[model].num_serving()
 
-    async def guarded(self, model: str, stream: AsyncIterator[ReplicaChunk], tenant: str | None = None,
-                      first_chunk: tuple[float, Callable[[], APIError]] | None = None) -> AsyncIterator[ReplicaChunk]:
-        """Counts the request as in flight (for its tenant too) while it runs, and aborts it when it stops
-        making progress.
+    async def guarded(self, model: str, stream: AsyncIterator[ReplicaChunk], tenant: TenantClass | None = None,
+                      first_chunk: tuple[float, Callable[[], APIError]] | None = None,
+                      hold_for_slot: bool = True) -> AsyncIterator[ReplicaChunk]:
+        """Counts the request as in flight (for its tenant too) while it runs, holds it while it would take
+        a slot reserved for others (``SlotGate``), and aborts it when it stops making progress.
 
         Args:
-            first_chunk: (seconds, error) for the first chunk instead of progress_timeout_s: a request held
-                while its pool wakes from zero may wait for the cold start, then gets that error.
+            first_chunk: (seconds, error) for the first chunk, the hold for a slot included, instead of
+                progress_timeout_s: a request held while its pool wakes from zero may wait for the cold
+                start, then gets that error.
+            hold_for_slot: whether the request takes an engine slot (generates), so the gate applies.
         """
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
         if tenant is not None:
-            self.in_flight_by_tenant[model, tenant] += 1
+            self.in_flight_by_tenant[model, tenant.tenant] += 1
         self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
+        gate = self.slots.get(model) if tenant is not None and hold_for_slot else None
+        entered = False
         timeout = self.limits.progress_timeout_s
         first_timeout, first_error = first_chunk if first_chunk is not None else (timeout, None)
         num_chunks = 0
@@ -151,6 +170,9 @@ class WorkLimits:
             while True:
                 try:
                     async with asyncio.timeout(timeout if num_chunks else first_timeout):
+                        if gate is not None and not entered:
+                            await self._enter(model, gate, tenant)
+                            entered = True
                         chunk = await anext(stream)
                 except StopAsyncIteration:
                     return
@@ -161,10 +183,34 @@ class WorkLimits:
                     raise APIError(f"the request made no progress for {timeout:g} s and was aborted", 504,
                                    "timeout_error", code="no_progress") from None
                 num_chunks += 1
+                if num_chunks == 1 and tenant is not None and hold_for_slot:
+                    self._started(model, tenant.tag)
+                if entered and chunk.final:
+                    # The engine is done with it: its slot is free before the rest reaches the client.
+                    gate.leave(tenant.tenant)
+                    entered = False
                 yield chunk
         finally:
             self.in_flight[model] -= 1
             if tenant is not None:
-                self.in_flight_by_tenant[model, tenant] -= 1
+                self.in_flight_by_tenant[model, tenant.tenant] -= 1
+            if entered:
+                gate.leave(tenant.tenant)
             self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
             await stream.aclose()
+
+    def _started(self, model: str, tag: float) -> None:
+        """An engine started the request tagged ``tag``: the virtual time moves on, and may let held requests go."""
+        self.fair.started(model, tag)
+        if model in self.slots:
+            self.slots[model].wake()
+
+    async def _enter(self, model: str, gate: SlotGate, tenant: TenantClass) -> None:
+        """Waits for a slot the tenant may take, with the held count in the metrics."""
+        held = self.platform_metrics.slot_held.labels(model)
+        if not gate.may_send(tenant):
+            held.set(gate.num_held + 1)
+        try:
+            await gate.enter(tenant)
+        finally:
+            held.set(gate.num_held)

@@ -48,6 +48,9 @@ class IngressMetrics:
                                   registry=self.registry)
         self.held = Gauge("fleetserve_held_requests", "Requests held while the model's pool wakes from zero "
                           "replicas.", ["model"], registry=self.registry)
+        self.slot_held = Gauge("fleetserve_slot_held_requests", "Requests held in the ingress because they would "
+                               "take an engine slot reserved for tenants within their share "
+                               "(limits.num_reserved_slots).", ["model"], registry=self.registry)
         self.cold_start = Histogram("fleetserve_cold_start_seconds", "From the first request held for a pool at "
                                     "zero replicas to its first token.", ["model"], registry=self.registry,
                                     buckets=[1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600])

@@ -13,10 +13,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -54,6 +54,8 @@ from fleetserve.deployments.ingress.model_clients import HandleModelClient, Mode
 from fleetserve.deployments.ingress.route_ledger import RouteLedger
 from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
+from fleetserve.deployments.ingress.fair_queue import priority
+from fleetserve.deployments.ingress.slots import TenantClass
 from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_api_error, cut_off_error, error_response,
                                                      relay_stream, until_final)
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
@@ -67,9 +69,6 @@ from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, 
 logger = logging.getLogger(__name__)
 
 
-# Added to a batch tenant's vLLM priorities (lower is scheduled first): beyond any interactive rank (requests in
-# flight over a share), so all interactive work runs first.
-BATCH_PRIORITY = 10**12
 # The endpoints whose vLLM request takes a priority.
 PRIORITY_ENDPOINTS = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES)
 # Every path the ingress forwards; requests on them are counted in fleetserve_requests_total.
@@ -356,21 +355,14 @@ class OpenAIIngress:
                            404, "not_found_error", param="model", code="model_not_found")
         return client
 
-    def _priority(self, model: str, tenant: str | None) -> int | None:
-        """vLLM's request priority (lower runs first) on a model whose engines schedule by priority; None
-        elsewhere (vLLM refuses priorities there).
-
-        Fair queuing by weight: a request's priority is how many of its tenant's requests are already in
-        flight, over the tenant's share of the weights (rounded down), so each tenant's k-th request waits
-        behind the others' requests with fewer ahead of them, not behind a flood's whole backlog. Batch
-        tenants' requests come after every interactive one.
-        """
+    def _priority(self, model: str, tenant: TenantClass | None) -> int | None:
+        """vLLM's request priority (lower runs first) on a model whose engines schedule by priority: the
+        request's fair-queuing start tag (``FairQueue``), batch after all interactive work; None elsewhere
+        (vLLM refuses priorities there)."""
         config = self._config(model)
         if tenant is None or config is None or config.engine_args.extra.get("scheduling_policy") != "priority":
             return None
-        ahead = self.work.in_flight_by_tenant[self._base(model), tenant]
-        rank = math.floor(ahead / self.front_door.share(tenant))
-        return rank + (BATCH_PRIORITY if self.front_door.is_batch(tenant) else 0)
+        return priority(tenant.tag, tenant.batch)
 
     def _forwarded_body(self, endpoint: Endpoint, fields: RequestFields, model: str, body: bytes,
                         priority: int | None = None) -> tuple[bytes, bool]:
@@ -425,14 +417,17 @@ class OpenAIIngress:
         request_id = request_id or new_id("req")
         if choice is not None:
             await self.ledger.on_decision(choice, request_id, tenant, routed_text)
-        forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body, self._priority(model, tenant))
         base = self._base(model)
+        claim = (TenantClass(tenant, self.front_door.share(tenant), self.front_door.is_batch(tenant))
+                 if tenant is not None else None)
+        if endpoint.generates:
+            self.work.admit(base, claim)
+            if claim is not None:  # tagged once admitted: a refused request costs its tenant no place
+                claim = replace(claim, tag=self.work.fair.tag(base, claim.tenant, claim.share))
+        forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body, self._priority(model, claim))
         hints = fields.routing_hints(session_id, adapter=model if base != model else None)
         request = ApiRequest(request_id, endpoint, forwarded, strip_usage, hints)
-        if endpoint.generates:
-            share = self.front_door.share(tenant) if tenant is not None else None
-            self.work.admit(base, tenant, share, batch=tenant is not None and self.front_door.is_batch(tenant))
-        stream, first = await self._start(base, client, request, tenant)
+        stream, first = await self._start(base, client, request, claim)
         stream = until_final(first, stream)
         head = first.head
         headers = {HEADER_MODEL: model, HEADER_REPLICA: head.replica_id, HEADER_POOL: self._pool_of(model)}
@@ -480,7 +475,7 @@ class OpenAIIngress:
             self.platform_metrics.route_cost_saved.labels(choice.route).inc(max(0.0, saved))
 
     async def _start(self, model: str, client: ModelClient, request: ApiRequest,
-                     tenant: str | None = None) -> tuple[AsyncIterator[ReplicaChunk], ReplicaChunk]:
+                     tenant: TenantClass | None = None) -> tuple[AsyncIterator[ReplicaChunk], ReplicaChunk]:
         """Sends the request to an engine and waits for its first chunk; held first while the model's pool
         wakes from zero replicas (``ColdStartHold``).
 
@@ -495,14 +490,15 @@ class OpenAIIngress:
                     model, "no replica answered within its hold_timeout_s", "cold_start_timeout"))
                 return await self._first_chunk(model, client, request, tenant, timeout)
 
-    async def _first_chunk(self, model: str, client: ModelClient, request: ApiRequest, tenant: str | None,
+    async def _first_chunk(self, model: str, client: ModelClient, request: ApiRequest, tenant: TenantClass | None,
                            first_chunk: tuple[float, Callable[[], APIError]] | None = None,
                            ) -> tuple[AsyncIterator[ReplicaChunk], ReplicaChunk]:
         """Forwards the request and waits for its first chunk, sending it again (Serve picks a live replica)
         when the replica fails before streaming anything."""
         num_retries = 0
         while True:
-            stream = self.work.guarded(model, client.forward(request), tenant, first_chunk)
+            stream = self.work.guarded(model, client.forward(request), tenant, first_chunk,
+                                       hold_for_slot=request.endpoint.generates)
             try:
                 return stream, await anext(stream)
             except StopAsyncIteration:  # ended with no chunk at all, not even a head: cut off

@@ -65,6 +65,12 @@ class LimitsConfig(Strict):
     # Queue fill (share of the queue bound) beyond which a tenant past its weighted share of the queue is
     # refused (503), so one tenant's flood cannot take the whole queue; below it any tenant may queue.
     fair_share_from: float = Field(default=0.5, ge=0, le=1)
+    # Engine slots of each model (max_num_seqs x serving replicas) kept for interactive requests on the fair
+    # schedule (start tag not past the virtual time): a flood's or batch request waits in the ingress rather
+    # than take them, so a light tenant's request starts at once beside a flood (vLLM does not preempt a
+    # running request for a waiting one). Reserved slots idle while no such request uses them. Counted per
+    # ingress replica; applies with auth on (tenants). 0: none held.
+    num_reserved_slots: int = Field(default=0, ge=0)
     # Queue allowed per serving replica however slowly the engines finish (and before they have finished any).
     min_queued_per_replica: int = Field(default=128, gt=0)
     # Times a request is sent again when its replica fails (dies, restarts) before streaming anything;

@@ -40,6 +40,16 @@ class PlatformConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _reserved_slots_leave_one_open(self) -> PlatformConfig:
+        reserved = self.limits.num_reserved_slots
+        for model in self.models:
+            seqs = model.serving_model().engine_args.max_num_seqs
+            if reserved and seqs is not None and reserved >= seqs:
+                raise ValueError(f"limits.num_reserved_slots ({reserved}) must be below models[{model.name}]'s "
+                                 f"max_num_seqs ({seqs}), or no tenant past its share is ever served")
+        return self
+
+    @model_validator(mode="after")
     def _unique_names(self) -> PlatformConfig:
         seen: set[str] = set()
         for name in [model.name for model in self.models] + [a for model in self.models for a in model.adapter_names]:
