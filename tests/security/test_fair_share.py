@@ -151,3 +151,18 @@ def test_a_floods_tags_keep_their_order_as_its_requests_start():
     assert (fair.tag("m", "flood", 0.5), fair.tag("m", "light", 0.5)) == (8.0, 2.0)
     # Another model keeps its own virtual time.
     assert fair.tag("other", "flood", 0.5) == 0.0
+
+
+async def test_refused_requests_take_no_place_in_the_fair_queue(fake_engine_cls):
+    app, server = classed_ingress(fake_engine_cls, scheduling_policy="priority",
+                                  tenants={"heavy": {"weight": 3.0}, "light": {}})
+    statuses = await flood(app, ["heavy"] * 20 + ["light"] * 5)
+    # As in test_weights_split_the_queue: heavy gets 6 places, light 2.
+    assert sorted(statuses["heavy"]) == [200] * 6 + [503] * 14
+    # Only admitted requests are tagged: heavy's 6 at 0, 4/3, ..., 20/3 (priorities 0-6667), light's 2 at 0, 4.
+    assert [body["priority"] for body in server.engine.bodies] == [0, 1333, 2667, 4000, 5333, 6667, 0, 4000]
+    statuses = await flood(app, ["heavy"])
+    # All started, so the virtual time is the largest tag, 20/3; heavy's next starts where its 6th ended,
+    # 6 x 4/3 = 8 (its 14 refusals would have put it at 26 2/3).
+    assert statuses["heavy"] == [200]
+    assert server.engine.bodies[-1]["priority"] == 8000
