@@ -8,32 +8,18 @@ import asyncio
 
 import httpx
 
+from tenant_ingress import KEYS, tenant_ingress
+
 from fleetserve.deployments.engine_server import EngineServer
-from fleetserve.deployments.ingress.model_clients import LocalModelClient
-from fleetserve.deployments.ingress.security import FrontDoor, hash_key
 from fleetserve.deployments.ingress.fair_queue import BATCH_PRIORITY, FairQueue
 from fleetserve.deployments.ingress.server import OpenAIIngress
-from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig
-from fleetserve.platform.replica_report import ReplicaReport
-
-KEYS = {"heavy": "sk-heavy-0001", "light": "sk-light-0002"}
 
 
 def flooded_ingress(engine_cls, **weights: float) -> OpenAIIngress:
-    class SlowStart(engine_cls):
-        first_token_s = 2.0
-
-    # One sequence per step: the engine's only free slot is the one headroom place.
-    model = ModelConfig(name="fake", source="unused", engine_args={"max_num_seqs": 1})
-    server = EngineServer(model, engine_cls=SlowStart, model_path="/unused")
-    auth = AuthConfig.model_validate({
-        "tenants": {name: {"weight": weights.get(name, 1.0)} for name in KEYS},
-        "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]})
-    # A queue of 8 (min_queued_per_replica with 1 replica and no completions yet); shares apply past half of it,
-    # and each is a weighted part of the queue plus the engine's slot: every request admitted and not finished.
-    app = OpenAIIngress({"fake": LocalModelClient(server)}, models={"fake": model}, front_door=FrontDoor(auth),
-                        limits=LimitsConfig(min_queued_per_replica=8, fair_share_from=0.5))
-    app.work.admission["fake"].observe([ReplicaReport(replica_id="r0")])  # one idle replica reporting
+    # One sequence per step: the engine's only free slot is the one headroom place. A queue of 8
+    # (min_queued_per_replica with 1 replica and no completions yet); shares apply past half of it, and each
+    # is a weighted part of the queue plus the engine's slot: every request admitted and not finished.
+    app, _ = tenant_ingress(engine_cls, {name: {"weight": weights.get(name, 1.0)} for name in KEYS})
     return app
 
 
@@ -84,19 +70,7 @@ BATCH_HEAVY = {"heavy": {"weight": 3.0, "priority": "batch"}, "light": {}}
 
 def classed_ingress(engine_cls, scheduling_policy: str | None = None,
                     tenants: dict = BATCH_HEAVY) -> tuple[OpenAIIngress, EngineServer]:
-    class SlowStart(engine_cls):
-        first_token_s = 2.0
-
-    extra = {"scheduling_policy": scheduling_policy} if scheduling_policy else {}
-    model = ModelConfig(name="fake", source="unused", engine_args={"max_num_seqs": 1, "extra": extra})
-    server = EngineServer(model, engine_cls=SlowStart, model_path="/unused")
-    auth = AuthConfig.model_validate({
-        "tenants": tenants,
-        "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]})
-    app = OpenAIIngress({"fake": LocalModelClient(server)}, models={"fake": model}, front_door=FrontDoor(auth),
-                        limits=LimitsConfig(min_queued_per_replica=8, fair_share_from=0.5))
-    app.work.admission["fake"].observe([ReplicaReport(replica_id="r0")])
-    return app, server
+    return tenant_ingress(engine_cls, tenants, scheduling_policy=scheduling_policy)
 
 
 async def test_batch_work_leaves_the_upper_half_of_the_queue_to_interactive_work(fake_engine_cls):

@@ -1,4 +1,4 @@
-"""Engine slots reserved for tenants within their share (limits.num_reserved_slots): the gate's arithmetic
+"""Engine slots reserved for requests on the fair schedule (limits.num_reserved_slots): the gate's arithmetic
 exactly, then through the ingress on a fake engine whose first token takes 1 s, so every sent request holds
 its slot while the rest arrive."""
 
@@ -9,15 +9,14 @@ import asyncio
 import httpx
 import pytest
 
+from tenant_ingress import KEYS, tenant_ingress
+
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.fair_queue import FairQueue
-from fleetserve.deployments.ingress.model_clients import LocalModelClient
-from fleetserve.deployments.ingress.security import FrontDoor, hash_key
 from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.deployments.ingress.slots import SlotGate, TenantClass
-from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, parse_config
+from fleetserve.platform.config import LimitsConfig, ModelConfig, parse_config
 from fleetserve.platform.config.base import ConfigError
-from fleetserve.platform.replica_report import ReplicaReport
 
 SHARES = {"heavy": 0.75, "light": 0.25}
 
@@ -131,22 +130,9 @@ async def test_a_held_request_cancelled_holds_nothing():
     assert f.gate.num_sent == 2
 
 
-KEYS = {"heavy": "sk-heavy-0001", "light": "sk-light-0002"}
-
-
 def reserved_ingress(engine_cls) -> tuple[OpenAIIngress, EngineServer]:
-    class SlowStart(engine_cls):
-        first_token_s = 1.0
-
-    model = ModelConfig(name="fake", source="unused", engine_args={"max_num_seqs": 4})
-    server = EngineServer(model, engine_cls=SlowStart, model_path="/unused")
-    auth = AuthConfig.model_validate({
-        "tenants": {"heavy": {"weight": 3.0}, "light": {}},
-        "api_keys": [{"sha256": hash_key(key), "tenant": name} for name, key in KEYS.items()]})
-    app = OpenAIIngress({"fake": LocalModelClient(server)}, models={"fake": model}, front_door=FrontDoor(auth),
-                        limits=LimitsConfig(min_queued_per_replica=8, num_reserved_slots=1))
-    app.work.admission["fake"].observe([ReplicaReport(replica_id="r0")])
-    return app, server
+    return tenant_ingress(engine_cls, {"heavy": {"weight": 3.0}, "light": {}}, max_num_seqs=4, first_token_s=1.0,
+                          num_reserved_slots=1)
 
 
 async def test_a_light_tenant_starts_at_once_beside_a_flood(fake_engine_cls):
