@@ -69,9 +69,11 @@ def metric_values(text: str, name: str) -> list[tuple[dict[str, str], float]]:
             for labels, value in re.findall(rf'^{re.escape(name)}{{([^}}]*)}} (\S+)$', text, re.M)]
 
 
-def engine_gauges(base_url: str, model: str) -> dict[tuple[str, str], dict[str, float]]:
-    """(pool, replica) -> {running, waiting, kv} for one model's replicas, from the app's /metrics."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+def engine_gauges(base_url: str, model: str, headers: dict[str, str] | None = None,
+                  ) -> dict[tuple[str, str], dict[str, float]]:
+    """(pool, replica) -> {running, waiting, kv} for one model's replicas, from the app's /metrics (an admin
+    key's ``headers`` where auth is on)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10, headers=headers).text
     gauges: dict[tuple[str, str], dict[str, float]] = {}
     for name, short in GAUGES.items():
         for labels, value in metric_values(text, name):
@@ -80,13 +82,13 @@ def engine_gauges(base_url: str, model: str) -> dict[tuple[str, str], dict[str, 
     return gauges
 
 
-def wait_all_idle(base_url: str, model: str, num_replicas: int,
-                  timeout_s: float = 40.0) -> dict[tuple[str, str], dict[str, float]]:
+def wait_all_idle(base_url: str, model: str, num_replicas: int, timeout_s: float = 40.0,
+                  headers: dict[str, str] | None = None) -> dict[tuple[str, str], dict[str, float]]:
     """The gauges once ``num_replicas`` replicas of the model report nothing running or waiting and no KV
     in use (or the last gauges seen, at the timeout)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        gauges = engine_gauges(base_url, model)
+        gauges = engine_gauges(base_url, model, headers)
         idle = all(g == {"running": 0.0, "waiting": 0.0, "kv": 0.0} for g in gauges.values())
         if (idle and len(gauges) >= num_replicas) or time.monotonic() > deadline:
             return gauges

@@ -1,0 +1,64 @@
+"""Fair queuing and a reserved engine slot on a real vLLM engine with priority scheduling: vLLM takes the
+priorities the ingress sets (a batch tenant's included), every request completes, and nothing stays held,
+in flight or running afterwards. The gate's arithmetic is tested exactly on a fake engine
+(test_reserved_slots.py); this is the path through Serve and vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from cluster_helpers import metric_values, wait_all_idle
+from conftest import Served
+from factories import model_entry
+from fleetserve.deployments.ingress.security import hash_key
+from fleetserve.platform.config import parse_config
+
+pytestmark = [pytest.mark.slow]
+
+MODEL = "tiny-fair"
+KEYS = {"flood": "sk-fair-flood-01", "light": "sk-fair-light-02", "nightly": "sk-fair-batch-03",
+        "ops": "sk-fair-admin-04"}
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def fair(served) -> str:
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+
+    config = parse_config({
+        # 2 slots, 1 reserved: a flood gets one at a time, the other is for requests on the fair schedule.
+        "models": [{**model_entry(MODEL, max_num_seqs=2, extra={"scheduling_policy": "priority"}),
+                    "resources": {"num_cpus": 0.1}}],
+        "limits": {"num_reserved_slots": 1},
+        "auth": {"tenants": {"flood": {}, "light": {}, "nightly": {"priority": "batch"}, "ops": {}},
+                 "api_keys": [{"sha256": hash_key(key), "tenant": name, "admin": name == "ops"}
+                              for name, key in KEYS.items()]}})
+    serve.run(build_app(config), name="fair", route_prefix="/fair")
+    yield f"{served.base_url}/fair"
+    serve.delete("fair")
+
+
+async def test_every_tenant_completes_on_a_priority_engine_with_a_reserved_slot(fair):
+    body = {"model": MODEL, "prompt": "the fair queue", "max_tokens": MAX_TOKENS, "ignore_eos": True}
+
+    async with httpx.AsyncClient(base_url=fair, timeout=120) as http:
+        async def send(tenant: str) -> tuple[int, int]:
+            reply = await http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+            usage = reply.json().get("usage") or {}
+            return reply.status_code, usage.get("completion_tokens", 0)
+
+        results = await asyncio.gather(*[send(tenant) for tenant in ["flood"] * 6 + ["light", "nightly"]])
+        # Each request generates its whole budget: vLLM took every priority (0 up to 10^18 + tags) it was sent.
+        assert results == [(200, MAX_TOKENS)] * 8
+        metrics = (await http.get("/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"})).text
+    held = metric_values(metrics, "fleetserve_slot_held_requests")
+    in_flight = metric_values(metrics, "fleetserve_in_flight_requests")
+    assert [value for labels, value in held if labels["model"] == MODEL] == [0.0]
+    assert [value for labels, value in in_flight if labels["model"] == MODEL] == [0.0]
+    gauges = wait_all_idle(fair, MODEL, num_replicas=1, headers={"Authorization": f"Bearer {KEYS['ops']}"})
+    assert list(gauges.values()) == [{"running": 0.0, "waiting": 0.0, "kv": 0.0}]
