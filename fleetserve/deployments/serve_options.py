@@ -117,9 +117,9 @@ def control_actor_options(server: ServerConfig) -> dict[str, Any]:
 
 
 def ingress_options(limits: LimitsConfig, server: ServerConfig) -> dict[str, Any]:
-    """The ingress deployment's Serve options: how much it holds, a bounded queue in front of it, and
-    where it runs."""
-    return {"ray_actor_options": control_actor_options(server),
+    """The ingress deployment's Serve options: its replicas, how much each holds, a bounded queue in front of
+    them, and where they run."""
+    return {"ray_actor_options": control_actor_options(server), "num_replicas": server.num_ingress_replicas,
             "max_ongoing_requests": limits.ingress_max_ongoing_requests,
             "max_queued_requests": limits.ingress_max_queued_requests,
             "backpressure_config": {"status_code": 503, "retry_after_s": limits.ingress_retry_after_s}}

@@ -171,6 +171,19 @@ def test_serve_config_parses_as_a_serve_application_of_our_builder():
     assert deployment_options(config.models[0], config.server)["ray_actor_options"]["resources"] == {"mig-3g.40gb": 1}
 
 
+def test_the_chart_runs_two_ingress_replicas_by_default():
+    from fleetserve.deployments.serve_options import ingress_options
+    from fleetserve.platform.config import parse_config
+
+    # Also under a values file's own platform (as `fleetserve plan --emit-values` writes): Helm merges the maps.
+    own = {"platform": {"models": [{"name": "llama", "source": "/models/llama", "resources": {"num_gpus": 1}}]}}
+    for values in ({}, own):
+        service = find(render(values), "RayService")
+        platform = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["platform"]
+        config = parse_config(platform)
+        assert ingress_options(config.limits, config.server)["num_replicas"] == 2
+
+
 def test_optional_objects_appear_only_when_enabled():
     assert {obj["kind"] for obj in render()} == {"RayService", "Service", "PodDisruptionBudget"}
     objects = render(ALL_ON)

@@ -140,3 +140,13 @@ def test_queue_bound_off_or_without_reports_admits(limits):
     if limits:
         admission.observe([load(num_waiting=100)])
     assert admission.decide(50).admitted
+
+
+def test_the_in_flight_bound_is_split_over_the_ingress_replicas():
+    model = ModelConfig(name="m", source="unused", replicas=3, engine_args={"max_num_seqs": 4})
+    admission = AdmissionController(model, LimitsConfig(max_in_flight_per_replica=5, max_queue_wait_s=None),
+                                    num_parts=2)
+    # 5 per serving replica x 3 replicas = 15, over 2 ingress replicas: ceil(7.5) = 8 here.
+    assert admission.decide(num_in_flight=7).admitted
+    decision = admission.decide(num_in_flight=8)
+    assert (decision.admitted, decision.in_flight_bound) == (False, 8)

@@ -151,3 +151,15 @@ def test_cli_hashes_a_key_from_stdin():
 
     result = CliRunner().invoke(app, ["auth", "hash-key"], input="sk-alpha-0001\n")
     assert result.exit_code == 0 and result.stdout.strip() == hash_key("sk-alpha-0001")
+
+
+def test_each_of_n_ingress_replicas_enforces_an_equal_part_of_a_budget():
+    now = [0.0]
+    limiter = RateLimiter({"t": TenantConfig(requests_per_minute=10)}, clock=lambda: now[0], num_parts=2)
+    # 10 a minute over 2 ingress replicas: 5 here, refilling at 5/60 a second, so 2 replicas never allow 20.
+    for _ in range(5):
+        limiter.admit("t", 0)
+    with pytest.raises(Exception, match=r"limit 10, 5 at each of 2 ingress replicas") as raised:
+        limiter.admit("t", 0)
+    # One request refills in 60 / 5 = 12 s.
+    assert raised.value.headers == {"Retry-After": "12"}

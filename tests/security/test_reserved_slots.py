@@ -191,3 +191,13 @@ async def test_a_slot_frees_at_the_engines_final_chunk_not_when_the_client_has_i
     assert work.slots["m"].sent_by_tenant["heavy"] == 0
     await stream.aclose()
     assert (work.slots["m"].num_sent, work.in_flight["m"]) == (0, 0)  # freed once, not twice
+
+
+def test_each_ingress_replica_gates_its_part_of_the_slots():
+    from fleetserve.deployments.ingress.limits import WorkLimits
+    from fleetserve.deployments.ingress.metrics import IngressMetrics
+
+    model = ModelConfig(name="m", source="unused", engine_args={"max_num_seqs": 8})
+    work = WorkLimits(["m"], {"m": model}, LimitsConfig(num_reserved_slots=1), IngressMetrics(), num_parts=2)
+    # 8 slots on 1 replica (before any report) over 2 ingress replicas: 4 here.
+    assert work.slots["m"].num_slots == 4

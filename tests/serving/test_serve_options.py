@@ -116,3 +116,11 @@ def test_data_path_handles_take_the_calling_replicas_transport(monkeypatch, grpc
     # engine's adapter changes (control path, rare) keep Serve's default.
     assert engine.option_calls == [{"stream": True, "_by_reference": not grpc}, {"stream": False}]
     assert prefill.option_calls == [{"_by_reference": not grpc}]
+
+
+def test_the_ingress_runs_as_many_replicas_as_the_config_says():
+    from fleetserve.deployments.serve_options import ingress_options
+
+    config = parse_config({"models": [{"name": "m", "source": "x"}], "server": {"num_ingress_replicas": 2}})
+    assert ingress_options(config.limits, config.server)["num_replicas"] == 2
+    assert ingress_options(config.limits, ServerConfig())["num_replicas"] == 1

@@ -78,11 +78,15 @@ class AdmissionController:
         model: the model's config (its serving replicas and max_num_seqs).
         limits: the platform's limits.
         clock: monotonic seconds.
+        num_parts: ingress replicas sharing the hard in-flight bound: this one admits its equal part (the
+            queue bound needs no split: the engines' waiting counts it reads are every replica's).
     """
 
-    def __init__(self, model: ModelConfig | None, limits: LimitsConfig, clock=time.monotonic) -> None:
+    def __init__(self, model: ModelConfig | None, limits: LimitsConfig, clock=time.monotonic,
+                 num_parts: int = 1) -> None:
         self.limits = limits
         self.clock = clock
+        self.num_parts = num_parts
         self.max_serving_replicas = model.max_serving_replicas if model is not None else 1
         serving = model.serving_model() if model is not None else None
         seqs = serving.engine_args.max_num_seqs if serving is not None else None
@@ -130,7 +134,7 @@ class AdmissionController:
         limits = self.limits
         in_flight = num_in_flight + 1
         unstarted = (num_in_flight if num_unstarted is None else num_unstarted) + 1
-        bound = (limits.max_in_flight_per_replica * self.max_serving_replicas
+        bound = (math.ceil(limits.max_in_flight_per_replica * self.max_serving_replicas / self.num_parts)
                  if limits.max_in_flight_per_replica is not None else None)
         serving = self._serving()
         if bound is not None and in_flight > bound:

@@ -71,11 +71,14 @@ class WorkLimits:
         metrics: the ingress's metrics (in flight, admission allowance, rejections).
         load_source: returns the engines' latest reports per model; None bounds admission by
             max_in_flight_per_replica alone.
+        num_parts: ingress replicas sharing the in-flight bound and the engines' slots: this one takes an
+            equal part of each.
     """
 
     def __init__(self, models: list[str], configs: dict[str, ModelConfig], limits: LimitsConfig,
-                 metrics: IngressMetrics, load_source: LoadSource | None = None) -> None:
+                 metrics: IngressMetrics, load_source: LoadSource | None = None, num_parts: int = 1) -> None:
         self.limits = limits
+        self.num_parts = num_parts
         self.platform_metrics = metrics
         # Requests admitted and not yet finished, per served model.
         self.in_flight: dict[str, int] = {name: 0 for name in models}
@@ -83,7 +86,7 @@ class WorkLimits:
         self.in_flight_by_tenant: Counter[tuple[str, str]] = Counter()
         # Of those, the requests still waiting for their first token (queued or being prefilled).
         self.unstarted: dict[str, int] = {name: 0 for name in models}
-        self.admission = {name: AdmissionController(configs.get(name), limits) for name in models}
+        self.admission = {name: AdmissionController(configs.get(name), limits, num_parts=num_parts) for name in models}
         # Start tags of tenants' requests per model: the order the engines (and the slot gates) start them in.
         self.fair = FairQueue()
         # Per model, engine slots held for requests on the fair schedule; none when nothing is reserved.
@@ -137,9 +140,10 @@ class WorkLimits:
             self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)
 
     def _num_slots(self, model: str) -> int:
-        """The model's engine slots: max_num_seqs x serving replicas (one before the first report)."""
+        """This ingress's part of the model's engine slots: max_num_seqs x serving replicas (one before the
+        first report) over the ingress replicas, at least one."""
         controller = self.admission[model]
-        return controller.max_num_seqs * max(1, controller.num_serving() or 0)
+        return max(1, controller.max_num_seqs * max(1, controller.num_serving() or 0) // self.num_parts)
 
     def num_serving(self, model: str) -> int | None:
         """Serving replicas the engines' reports show for ``model``; None before the first reading."""

@@ -126,18 +126,31 @@ class TokenBucket:
 
 
 class RateLimiter:
-    """Per-tenant request and token budgets per minute (token buckets holding a minute's worth)."""
+    """Per-tenant request and token budgets per minute (token buckets holding a minute's worth).
 
-    def __init__(self, tenants: dict[str, TenantConfig], clock=time.monotonic) -> None:
+    Args:
+        tenants: the tenants and their limits.
+        clock: monotonic seconds.
+        num_parts: ingress replicas sharing each budget: this one enforces an equal part of it.
+    """
+
+    def __init__(self, tenants: dict[str, TenantConfig], clock=time.monotonic, num_parts: int = 1) -> None:
         self.tenants = tenants
         self.clock = clock
+        self.num_parts = num_parts
         self._buckets: dict[tuple[str, str], TokenBucket] = {}
 
     def _bucket(self, tenant: str, kind: str, per_minute: float) -> TokenBucket:
         key = (tenant, kind)
         if key not in self._buckets:
-            self._buckets[key] = TokenBucket(per_minute, per_minute / SECONDS_PER_MINUTE, self.clock())
+            part = per_minute / self.num_parts
+            self._buckets[key] = TokenBucket(part, part / SECONDS_PER_MINUTE, self.clock())
         return self._buckets[key]
+
+    def _limit_text(self, bucket: TokenBucket) -> str:
+        if self.num_parts == 1:
+            return f"{bucket.capacity:g}"
+        return f"{bucket.capacity * self.num_parts:g}, {bucket.capacity:g} at each of {self.num_parts} ingress replicas"
 
     def refund(self, tenant: str, num_tokens: int) -> None:
         """Gives back what ``admit`` charged, for a request the platform then refused or failed."""
@@ -166,11 +179,11 @@ class RateLimiter:
             wait = bucket.wait_for(amount, now)
             if math.isinf(wait):
                 raise APIError(f"This request needs {amount} tokens, more than tenant {tenant!r}'s "
-                               f"{bucket.capacity:g} tokens per minute; lower max_tokens or the prompt.",
+                               f"{self._limit_text(bucket)} tokens per minute; lower max_tokens or the prompt.",
                                429, "rate_limit_error", code="rate_limit_exceeded")
             if wait > 0:
                 error = APIError(f"Rate limit reached for tenant {tenant!r} on {kind} per minute "
-                                 f"(limit {bucket.capacity:g}). Retry after {math.ceil(wait)} s.",
+                                 f"(limit {self._limit_text(bucket)}). Retry after {math.ceil(wait)} s.",
                                  429, "rate_limit_error", code="rate_limit_exceeded")
                 error.headers = {"Retry-After": str(max(1, math.ceil(wait)))}
                 raise error
@@ -194,11 +207,12 @@ class FrontDoor:
     Args:
         auth: the platform's auth config.
         clock: monotonic seconds (tests pass a fake clock).
+        num_parts: ingress replicas sharing the tenants' rate limits (``server.num_ingress_replicas``).
     """
 
-    def __init__(self, auth: AuthConfig, clock=time.monotonic) -> None:
+    def __init__(self, auth: AuthConfig, clock=time.monotonic, num_parts: int = 1) -> None:
         self.keys = KeyStore(auth)
-        self.limiter = RateLimiter(self.keys.tenants, clock)
+        self.limiter = RateLimiter(self.keys.tenants, clock, num_parts)
         total_weight = sum(spec.weight for spec in self.keys.tenants.values())
         self._shares = {name: spec.weight / total_weight for name, spec in self.keys.tenants.items()}
 

@@ -100,13 +100,15 @@ class OpenAIIngress:
             admission by max_in_flight_per_replica alone.
         adapter_catalog: where the LoRA adapter registry lives; None keeps one in this process (over no
             servers: changes then reach the one replica each runs on).
+        num_ingress_replicas: the ingress deployment's replicas; this one enforces an equal part of each
+            tenant's rate limits, of the in-flight bound and of the engines' reserved-slot count.
     """
 
     def __init__(self, clients: dict[str, ModelClient], pool: str = "colocated",
                  metrics_source: MetricsSource | None = None, models: dict[str, ModelConfig] | None = None,
                  routes: RouteTable | None = None, front_door: FrontDoor | None = None,
                  limits: LimitsConfig | None = None, load_source: LoadSource | None = None,
-                 adapter_catalog: AdapterCatalog | None = None) -> None:
+                 adapter_catalog: AdapterCatalog | None = None, num_ingress_replicas: int = 1) -> None:
         self.clients = clients
         self.pool = pool
         self.created = int(time.time())
@@ -118,7 +120,8 @@ class OpenAIIngress:
         self.platform_metrics = IngressMetrics()
         self.front_door = front_door
         self.limits = limits or LimitsConfig()
-        self.work = WorkLimits(list(clients), self.models, self.limits, self.platform_metrics, load_source)
+        self.work = WorkLimits(list(clients), self.models, self.limits, self.platform_metrics, load_source,
+                               num_ingress_replicas)
         self.cold = ColdStartHold({name: config for name, config in self.models.items() if name in clients},
                                   self.platform_metrics)
         configured = {name: model.name for model in self.models.values() for name in model.adapter_names}
@@ -531,9 +534,11 @@ class IngressDeployment(OpenAIIngress):
         self._heap = HeapTracker()
         source = metrics_hub.collect.remote if metrics_hub is not None else None
         load_source = metrics_hub.loads.remote if metrics_hub is not None else None
+        num_ingress = config.server.num_ingress_replicas if config is not None else 1
         super().__init__({name: HandleModelClient(handle) for name, handle in engine_handles.items()},
                          metrics_source=source, models=models, routes=RouteTable(model_routing) if model_routing else None,
-                         front_door=FrontDoor(auth) if auth else None, limits=limits, load_source=load_source,
+                         front_door=FrontDoor(auth, num_parts=num_ingress) if auth else None, limits=limits,
+                         load_source=load_source, num_ingress_replicas=num_ingress,
                          adapter_catalog=HubAdapterCatalog(metrics_hub) if metrics_hub is not None else None)
 
     def _proxy_request_id(self, raw: Request) -> str | None:

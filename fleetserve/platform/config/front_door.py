@@ -33,6 +33,11 @@ class ServerConfig(Strict):
     # as gRPC alone had in 1 of 3. The replicas' gRPC ports must be reachable between nodes; HAProxy also
     # listens on every interface at 8404 (stats) and 9101 (its metrics).
     serve_fast_path: bool = False
+    # Replicas of the ingress deployment. Each enforces an equal part of every tenant's rate limits and of
+    # the admission bounds (split exactly, so N replicas never allow N times a budget); Serve's proxy spreads
+    # requests over them, so a tenant whose requests land unevenly may be limited a little early. One
+    # replica's death ends only its own streams.
+    num_ingress_replicas: int = Field(default=1, ge=1)
 
 
 class LimitsConfig(Strict):
