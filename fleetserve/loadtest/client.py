@@ -22,6 +22,8 @@ ROUTING_HEADER_PREFIX = "x-fleetserve-"
 # The error of a 200 stream that ended normally without content (a random model can emit only tokens that
 # detokenize to nothing).
 EMPTY_STREAM = "the stream ended without any content"
+# A stream that stopped before `data: [DONE]` (its server died, or a proxy closed it): its output is partial.
+CUT_STREAM = "the stream ended before data: [DONE]"
 
 
 @dataclass
@@ -123,11 +125,13 @@ async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any
                     record.retry_after = float(retry_after)
                 record.e2el = time.perf_counter() - sent
                 return record
+            done = False
             async for line in response.aiter_lines():
                 if not line.startswith("data:"):
                     continue
                 data = line[5:].strip()
                 if data == "[DONE]":
+                    done = True
                     break
                 event = json.loads(data)
                 if "error" in event:
@@ -153,9 +157,9 @@ async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any
                         record.cached_tokens = int(details["cached_tokens"])
         record.e2el = time.perf_counter() - sent
         record.output_text = "".join(pieces)
-        record.ok = record.ttft is not None
+        record.ok = record.ttft is not None and done
         if not record.ok:
-            record.error = EMPTY_STREAM
+            record.error = CUT_STREAM if not done else EMPTY_STREAM
     except (httpx.HTTPError, json.JSONDecodeError, OSError) as error:
         record.error = f"{type(error).__name__}: {error}"
     return record

@@ -1,7 +1,8 @@
 """An OpenAI-style streaming server with a known schedule, to check the load tester's clock.
 
 Each request streams ``max_tokens`` one-token chunks: the first after --first-ms, then one every
---itl-ms. A prompt containing FAIL gets HTTP 500; one containing NOUSAGE gets no usage chunk. Run: python schedule_server.py --port P ...
+--itl-ms. A prompt containing FAIL gets HTTP 500; one containing NOUSAGE gets no usage chunk; one containing
+CUT stops after its content, without usage or `data: [DONE]` (a server that died mid-stream). Run: python schedule_server.py --port P ...
 """
 
 import argparse
@@ -39,6 +40,8 @@ def build(first_s: float, itl_s: float) -> Starlette:
                 choice = ({"index": 0, "delta": {"content": f"t{index} "}} if chat else
                           {"index": 0, "text": f"t{index} "})
                 yield f"data: {json.dumps({'choices': [choice]})}\n\n"
+            if "CUT" in prompt:
+                return
             if "NOUSAGE" not in prompt:
                 usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": num_tokens,
                          "total_tokens": len(prompt.split()) + num_tokens}

@@ -144,6 +144,14 @@ async def test_failed_requests_are_counted_and_do_not_stop_the_run(schedule_url)
         'HTTP 503: {"error":{"message":"at capacity","type":"service_unavailable"}}': 2}
 
 
+async def test_a_stream_cut_before_done_is_a_failure_not_a_completion(schedule_url):
+    result = await run_benchmark(BenchConfig(base_url=schedule_url, model="schedule"),
+                                 specs(2, 3) + specs(3, 3, prompt="CUT short"))
+    # The 3 cut streams sent all their content, but no [DONE]: partial output, counted as failed.
+    assert (result.metrics["completed"], result.metrics["failed"]) == (2, 3)
+    assert result.to_dict(detailed=False)["errors"] == {"the stream ended before data: [DONE]": 3}
+
+
 @pytest.mark.parametrize(("count_tokens", "expected"), [
     (lambda text: len(text.split()), 7),   # the tokenizer counts "t0 t1 ... t6": 7 words
     (None, 7),                              # no tokenizer: one token per content chunk, 7 chunks
