@@ -82,12 +82,13 @@ SLO = {"ttft": 5000.0}
 
 
 KEYS = {"heavy": "sk-overload-heavy", "light": "sk-overload-light"}
-# (name, limits.fair_share_from, engines schedule by vLLM's priority, A is a batch tenant,
-# limits.num_reserved_slots). On priority engines the ingress queues tenants fairly by weight; reserved slots
-# are kept for requests on the fair schedule (docs/security.md); --reserved-slots overrides the 1.
-TENANT_SETUPS = [("shares off", 1.0, False, False, 0), ("shares on", 0.5, False, False, 0),
-                 ("shares on, priority engines", 0.5, True, False, 0), ("shares on, A batch", 0.5, True, True, 0),
-                 ("shares on, priority engines, slots reserved", 0.5, True, False, 1)]
+# (name, limits.fair_share_from, engines schedule by vLLM's priority, A is a batch tenant, --reserved-slots
+# engine slots are kept for requests on the fair schedule). On priority engines the ingress queues tenants
+# fairly by weight (docs/security.md).
+TENANT_SETUPS = [("shares off", 1.0, False, False, False), ("shares on", 0.5, False, False, False),
+                 ("shares on, priority engines", 0.5, True, False, False),
+                 ("shares on, A batch", 0.5, True, True, False),
+                 ("shares on, priority engines, slots reserved", 0.5, True, False, True)]
 SEEDS = {"heavy": 2, "light": 1}
 # Where the engines' vLLM workers run by default: one replica on each core, beside the front door.
 ENGINE_CORES = ["0", "1"]
@@ -508,9 +509,8 @@ def tenants(base_url: str, args: argparse.Namespace) -> None:
     cores: dict[str, dict[str, float]] = {}
     capacity = None
     chosen = [spec for spec in TENANT_SETUPS if args.setups is None or slug(spec[0]) in args.setups]
-    for setup, fair_share_from, priority_engines, heavy_batch, num_reserved_slots in chosen:
-        num_reserved_slots = num_reserved_slots and args.reserved_slots
-        config = tenants_config(fair_share_from, priority_engines, heavy_batch, num_reserved_slots,
+    for setup, fair_share_from, priority_engines, heavy_batch, reserve in chosen:
+        config = tenants_config(fair_share_from, priority_engines, heavy_batch, args.reserved_slots if reserve else 0,
                                 args.engine_cores, args.max_num_seqs, args.fast_path)
         serve.run(build_app(parse_config(config)), name="fleetserve", route_prefix="/")
         if capacity is None:

@@ -14,7 +14,8 @@ from tenant_ingress import KEYS, tenant_ingress
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.fair_queue import FairQueue
 from fleetserve.deployments.ingress.server import OpenAIIngress
-from fleetserve.deployments.ingress.slots import SlotGate, TenantClass
+from fleetserve.deployments.ingress.admission import TenantClass
+from fleetserve.deployments.ingress.slots import SlotGate
 from fleetserve.platform.config import LimitsConfig, ModelConfig, parse_config
 from fleetserve.platform.config.base import ConfigError
 

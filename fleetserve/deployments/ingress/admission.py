@@ -59,16 +59,18 @@ class AdmissionDecision:
 
 
 @dataclass(frozen=True)
-class TenantQueue:
-    """One tenant's place in a model's admission queue at this ingress."""
+class TenantClass:
+    """A request's tenant, as admission, fair queuing (``FairQueue``) and the slot gate (``SlotGate``) weigh it."""
 
-    # Its requests admitted here and not finished (queued, or streaming: both hold a place in the queue's
-    # view, which counts requests beyond the engines' slots as queued).
-    num_in_flight: int
+    # The tenant's name.
+    tenant: str
     # Its weight over the sum of all tenants' weights, 0-1.
     share: float
-    # A batch tenant's requests may fill only limits.fair_share_from of the queue.
+    # A batch tenant's requests may fill only limits.fair_share_from of the queue, run after all interactive
+    # work, and never take a reserved engine slot.
     batch: bool = False
+    # The request's fair-queuing start tag (``FairQueue``), once admitted: lower goes first.
+    tag: float = 0.0
 
 
 class AdmissionController:
@@ -122,14 +124,17 @@ class AdmissionController:
         return [load for load in self.loads if load.pool in ("colocated", "decode")]
 
     def decide(self, num_in_flight: int, num_unstarted: int | None = None,
-               tenant: TenantQueue | None = None) -> AdmissionDecision:
+               tenant: TenantClass | None = None, num_tenant_in_flight: int = 0) -> AdmissionDecision:
         """Whether one more request may join those this ingress already holds.
 
         Args:
             num_in_flight: requests admitted here and not finished.
             num_unstarted: those of them without a first token yet (queued, or being prefilled);
                 None: all of them.
-            tenant: the caller's place in the queue, for weighted fair shares; None: no tenants.
+            tenant: the caller's tenant, for weighted fair shares; None: no tenants.
+            num_tenant_in_flight: the tenant's requests admitted here and not finished (queued, or streaming:
+                both hold a place in the queue's view, which counts requests beyond the engines' slots as
+                queued).
         """
         limits = self.limits
         in_flight = num_in_flight + 1
@@ -161,25 +166,26 @@ class AdmissionController:
             places = math.floor(self.limits.fair_share_from * allowance)
             return AdmissionDecision(False, queued, allowance, in_flight, bound, _retry_after(queued - places, rate),
                                      batch_places=places)
-        if queued <= allowance and not self._over_share(tenant, queued, allowance, slots):
+        if queued <= allowance and not self._over_share(tenant, num_tenant_in_flight, queued, allowance, slots):
             return AdmissionDecision(True, queued, allowance, in_flight, bound)
         if queued <= allowance:
             # Refused for its share: retry once about its own excess has drained.
             share = self._share_places(tenant, allowance, slots)
             return AdmissionDecision(False, queued, allowance, in_flight, bound,
-                                     _retry_after(tenant.num_in_flight + 1 - share, rate), share)
+                                     _retry_after(num_tenant_in_flight + 1 - share, rate), share)
         return AdmissionDecision(False, queued, allowance, in_flight, bound, _retry_after(queued - allowance, rate))
 
     @staticmethod
-    def _share_places(tenant: TenantQueue, allowance: int, slots: int) -> int:
+    def _share_places(tenant: TenantClass, allowance: int, slots: int) -> int:
         """The tenant's weighted part of what the model may hold: its engines' slots and the queue."""
         return math.floor(tenant.share * (allowance + slots))
 
-    def _over_share(self, tenant: TenantQueue | None, queued: int, allowance: int, slots: int) -> bool:
+    def _over_share(self, tenant: TenantClass | None, num_tenant_in_flight: int, queued: int, allowance: int,
+                    slots: int) -> bool:
         """A tenant joining a queue filled past ``fair_share_from`` beyond its weighted share of it."""
         if tenant is None or queued <= self.limits.fair_share_from * allowance:
             return False
-        return tenant.num_in_flight + 1 > self._share_places(tenant, allowance, slots)
+        return num_tenant_in_flight + 1 > self._share_places(tenant, allowance, slots)
 
     def refusal(self, model: str, decision: AdmissionDecision) -> APIError:
         """The 503 ``overloaded`` error, with its Retry-After header, for a refused request."""

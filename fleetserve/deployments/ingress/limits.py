@@ -12,13 +12,13 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
-from fleetserve.deployments.ingress.admission import AdmissionController, TenantQueue
+from fleetserve.deployments.ingress.admission import AdmissionController, TenantClass
 from fleetserve.deployments.ingress.fair_queue import FairQueue
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.ingress.request_fields import RequestFields
 from fleetserve.deployments.ingress.security import estimated_prompt_tokens
-from fleetserve.deployments.ingress.slots import SlotGate, TenantClass
+from fleetserve.deployments.ingress.slots import SlotGate
 from fleetserve.platform.api_types import ReplicaChunk
 from fleetserve.platform.config import LimitsConfig, ModelConfig
 from fleetserve.platform.replica_report import ReplicaReport
@@ -127,9 +127,8 @@ class WorkLimits:
         if self.load_source is not None and self._load_refresher is None:
             self._load_refresher = asyncio.get_running_loop().create_task(self._refresh_loads())
         controller = self.admission[model]
-        queue = (TenantQueue(self.in_flight_by_tenant[model, tenant.tenant], tenant.share, tenant.batch)
-                 if tenant is not None else None)
-        decision = controller.decide(self.in_flight[model], self.unstarted[model], queue)
+        num_tenant_in_flight = self.in_flight_by_tenant[model, tenant.tenant] if tenant is not None else 0
+        decision = controller.decide(self.in_flight[model], self.unstarted[model], tenant, num_tenant_in_flight)
         if not decision.admitted:
             bound = ("batch" if decision.batch_places is not None else
                      "share" if decision.tenant_share is not None else
@@ -151,7 +150,7 @@ class WorkLimits:
 
     async def guarded(self, model: str, stream: AsyncIterator[ReplicaChunk], tenant: TenantClass | None = None,
                       first_chunk: tuple[float, Callable[[], APIError]] | None = None,
-                      hold_for_slot: bool = True) -> AsyncIterator[ReplicaChunk]:
+                      generates: bool = True) -> AsyncIterator[ReplicaChunk]:
         """Counts the request as in flight (for its tenant too) while it runs, holds it while it would take
         a slot reserved for others (``SlotGate``), and aborts it when it stops making progress.
 
@@ -159,13 +158,14 @@ class WorkLimits:
             first_chunk: (seconds, error) for the first chunk, the hold for a slot included, instead of
                 progress_timeout_s: a request held while its pool wakes from zero may wait for the cold
                 start, then gets that error.
-            hold_for_slot: whether the request takes an engine slot (generates), so the gate applies.
+            generates: whether the request generates, so takes an engine slot (the gate applies) and starts
+                on the fair schedule.
         """
         self.in_flight[model] = self.in_flight.get(model, 0) + 1
         if tenant is not None:
             self.in_flight_by_tenant[model, tenant.tenant] += 1
         self.platform_metrics.in_flight.labels(model).set(self.in_flight[model])
-        gate = self.slots.get(model) if tenant is not None and hold_for_slot else None
+        gate = self.slots.get(model) if tenant is not None and generates else None
         entered = False
         timeout = self.limits.progress_timeout_s
         first_timeout, first_error = first_chunk if first_chunk is not None else (timeout, None)
@@ -187,7 +187,7 @@ class WorkLimits:
                     raise APIError(f"the request made no progress for {timeout:g} s and was aborted", 504,
                                    "timeout_error", code="no_progress") from None
                 num_chunks += 1
-                if num_chunks == 1 and tenant is not None and hold_for_slot:
+                if num_chunks == 1 and tenant is not None and generates:
                     self._started(model, tenant.tag)
                 if entered and chunk.final:
                     # The engine is done with it: its slot is free before the rest reaches the client.
@@ -211,10 +211,11 @@ class WorkLimits:
 
     async def _enter(self, model: str, gate: SlotGate, tenant: TenantClass) -> None:
         """Waits for a slot the tenant may take, with the held count in the metrics."""
+        if gate.try_enter(tenant):
+            return
         held = self.platform_metrics.slot_held.labels(model)
-        if not gate.may_send(tenant):
-            held.set(gate.num_held + 1)
+        held.set(gate.num_held + 1)
         try:
-            await gate.enter(tenant)
+            await gate.hold(tenant)
         finally:
             held.set(gate.num_held)

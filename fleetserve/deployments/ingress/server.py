@@ -39,6 +39,7 @@ from fleetserve.deployments.ingress.protocol import (
     APIError,
     new_id,
 )
+from fleetserve.deployments.ingress.admission import TenantClass
 from fleetserve.deployments.ingress.adapters import (
     AdapterCatalog,
     AdapterChange,
@@ -55,7 +56,6 @@ from fleetserve.deployments.ingress.route_ledger import RouteLedger
 from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
 from fleetserve.deployments.ingress.fair_queue import priority
-from fleetserve.deployments.ingress.slots import TenantClass
 from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_api_error, cut_off_error, error_response,
                                                      relay_stream, until_final)
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
@@ -501,7 +501,7 @@ class OpenAIIngress:
         num_retries = 0
         while True:
             stream = self.work.guarded(model, client.forward(request), tenant, first_chunk,
-                                       hold_for_slot=request.endpoint.generates)
+                                       generates=request.endpoint.generates)
             try:
                 return stream, await anext(stream)
             except StopAsyncIteration:  # ended with no chunk at all, not even a head: cut off

@@ -19,19 +19,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-
-@dataclass(frozen=True)
-class TenantClass:
-    """A request's tenant, as admission, fair queuing and the slot gate weigh it."""
-
-    # The tenant's name.
-    tenant: str
-    # Its weight over the sum of all tenants' weights, 0-1.
-    share: float
-    # Batch work never takes a reserved slot.
-    batch: bool = False
-    # The request's fair-queuing start tag (``FairQueue``): lower goes first.
-    tag: float = 0.0
+from fleetserve.deployments.ingress.admission import TenantClass
 
 
 @dataclass(order=True)
@@ -90,9 +78,18 @@ class SlotGate:
         Raises:
             asyncio.CancelledError: cancelled while held (a timeout, a client gone); it holds no slot then.
         """
+        if not self.try_enter(claim):
+            await self.hold(claim)
+
+    def try_enter(self, claim: TenantClass) -> bool:
+        """Counts the request as sent if it may go now; ``leave`` must follow. False: ``hold`` it."""
         if self.may_send(claim):
             self._count(claim.tenant, 1)
-            return
+            return True
+        return False
+
+    async def hold(self, claim: TenantClass) -> None:
+        """Holds a request ``try_enter`` refused until it may go, counted as sent then (``enter``'s Raises)."""
         waiter = _Waiter(claim.batch, claim.tag, next(self._seq), claim, asyncio.get_running_loop().create_future())
         self._waiters.append(waiter)
         try:
