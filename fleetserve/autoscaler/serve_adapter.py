@@ -22,6 +22,7 @@ from fleetserve.autoscaler.pd_ratio import PEER, within_ratio
 from fleetserve.autoscaler.policies import make_policy
 from fleetserve.autoscaler.policy import Decision, PoolObservation
 from fleetserve.platform.config import AutoscalingConfig, PDRatio
+from fleetserve.platform.output_lengths import NUM_OUTPUT_LENGTH_BUCKETS
 from fleetserve.platform.replica_report import ReplicaReport
 
 logger = logging.getLogger("ray.serve")
@@ -31,6 +32,9 @@ METRICS_NAMESPACE = "fleetserve"
 METRIC_FIELDS = ("kv_cache_usage", "num_waiting", "num_running", "tokens_per_s", "generated_tokens_per_s",
                  "prompt_tokens_per_s", "first_tokens_per_s", "num_pending_prompt_tokens", "ttft_s")
 COUNT_FIELDS = frozenset({"num_waiting", "num_running", "num_pending_prompt_tokens"})
+# The finished-request rates by output length travel as one float per bucket, named by its index.
+LENGTH_METRIC = "finished_per_s_by_length_{}"
+LENGTH_METRICS = tuple(LENGTH_METRIC.format(index) for index in range(NUM_OUTPUT_LENGTH_BUCKETS))
 # Each pool's latest desired count by (application, model, pool): Serve runs every deployment's policy in
 # its one controller process, so a disaggregated model's two pools read each other's here (pd_ratio).
 _POOL_TARGETS: dict[tuple[str, str, str], int] = {}
@@ -71,7 +75,9 @@ def autoscaler_exposition(timeout_s: float = 2.0) -> bytes:
 def autoscaling_metrics(report: ReplicaReport) -> dict[str, float]:
     """A replica's report as Serve's custom autoscaling metrics (``record_autoscaling_stats``); no TTFT
     when no request got a first token since the previous report."""
-    return {name: float(getattr(report, name)) for name in METRIC_FIELDS if getattr(report, name) is not None}
+    metrics = {name: float(getattr(report, name)) for name in METRIC_FIELDS if getattr(report, name) is not None}
+    metrics.update(zip(LENGTH_METRICS, map(float, report.finished_per_s_by_length)))
+    return metrics
 
 
 def _reports(metrics: dict[str, dict[Any, float]], replica_ids: list[Any], pool: str) -> tuple[ReplicaReport, ...]:
@@ -81,8 +87,11 @@ def _reports(metrics: dict[str, dict[Any, float]], replica_ids: list[Any], pool:
         values = {name: metrics.get(name, {}).get(replica_id) for name in METRIC_FIELDS}
         if values["kv_cache_usage"] is None:
             continue
-        fields = {name: (int(round(value)) if name in COUNT_FIELDS else float(value))
-                  for name, value in values.items() if value is not None and not math.isnan(value)}
+        fields: dict[str, Any] = {name: (int(round(value)) if name in COUNT_FIELDS else float(value))
+                                  for name, value in values.items() if value is not None and not math.isnan(value)}
+        lengths = [metrics.get(name, {}).get(replica_id) for name in LENGTH_METRICS]
+        if all(value is not None and not math.isnan(value) for value in lengths):
+            fields["finished_per_s_by_length"] = tuple(map(float, lengths))
         reports.append(ReplicaReport(replica_id=getattr(replica_id, "unique_id", str(replica_id)), pool=pool,
                                      **fields))
     return tuple(reports)

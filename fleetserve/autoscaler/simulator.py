@@ -21,6 +21,7 @@ import numpy as np
 
 from fleetserve.autoscaler.policy import Decision, Policy, PoolObservation
 from fleetserve.platform.config import ReplicaProfile
+from fleetserve.platform.output_lengths import count_lengths
 from fleetserve.platform.replica_report import ReplicaReport
 from fleetserve.autoscaler.traces import TraceRequest
 
@@ -73,6 +74,8 @@ class _Replica:
     # Prompt tokens prefilled, and tokens generated, since the last decision (what the engine reports).
     recent_prompt_tokens: int = 0
     recent_generated_tokens: int = 0
+    # Output lengths of the requests finished since the last decision.
+    recent_output_lengths: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     # KV tokens allocated to running requests (the sum of their kv_tokens, kept as they change).
     used_tokens: int = 0
@@ -164,6 +167,7 @@ class _Replica:
                     self.recent_ttfts.append(request.first_token_s - request.spec.arrival_s)
         for request in [r for r in advanced if r.generated >= r.spec.output_tokens]:
             request.finished_s = max(end, request.first_token_s or end)
+            self.recent_output_lengths.append(request.generated)
             self.used_tokens -= request.kv_tokens
             self.running.remove(request)
         self.clock_s = end
@@ -309,9 +313,12 @@ def _decide(policy: Policy, replicas: list[_Replica], queue: deque, now: float,
                                                     + replica.recent_generated_tokens) / interval_s,
                                       generated_tokens_per_s=replica.recent_generated_tokens / interval_s,
                                       num_pending_prompt_tokens=pending,
-                                      ttft_s=fmean(replica.recent_ttfts) if replica.recent_ttfts else None))
+                                      ttft_s=fmean(replica.recent_ttfts) if replica.recent_ttfts else None,
+                                      finished_per_s_by_length=tuple(
+                                          count / interval_s for count in count_lengths(replica.recent_output_lengths))))
         ttfts += replica.recent_ttfts
         replica.recent_ttfts, replica.recent_prompt_tokens, replica.recent_generated_tokens = [], 0, 0
+        replica.recent_output_lengths = []
     serving = [r for r in replicas if not r.draining]
     observation = PoolObservation(now, len(serving), tuple(signals), len(queue))
     decision = policy.decide(observation)

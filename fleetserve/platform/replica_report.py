@@ -39,6 +39,9 @@ class ReplicaReport:
     first_tokens_per_s: float = 0.0
     # Mean time to first token of requests that got one since the previous report; None when none did.
     ttft_s: float | None = None
+    # Requests finished per second since the previous report, by the bucket of OUTPUT_LENGTH_EDGES their
+    # output fell in (empty on the first report): the distribution a TPOT miss depends on.
+    finished_per_s_by_length: tuple[float, ...] = ()
 
 
 class ReplicaReporter:
@@ -62,7 +65,7 @@ class ReplicaReporter:
         """The replica now; its rates are 0 (and its TTFT None) on the first report."""
         now = self.clock()
         previous, self._previous = self._previous, (now, stats)
-        rates: dict[str, float | None] = {}
+        rates: dict[str, float | tuple[float, ...] | None] = {}
         if previous is not None and now > previous[0]:
             before, seconds = previous[1], now - previous[0]
             tokens = (stats.num_prompt_tokens + stats.num_generation_tokens
@@ -72,7 +75,9 @@ class ReplicaReporter:
                      "generated_tokens_per_s": (stats.num_generation_tokens - before.num_generation_tokens) / seconds,
                      "prompt_tokens_per_s": (stats.num_computed_prompt_tokens - before.num_computed_prompt_tokens) / seconds,
                      "first_tokens_per_s": firsts / seconds,
-                     "ttft_s": (stats.ttft_sum_s - before.ttft_sum_s) / firsts if firsts > 0 else None}
+                     "ttft_s": (stats.ttft_sum_s - before.ttft_sum_s) / firsts if firsts > 0 else None,
+                     "finished_per_s_by_length": tuple((now_count - then) / seconds for now_count, then
+                                                       in zip(stats.output_length_counts, before.output_length_counts))}
         return ReplicaReport(replica_id=self.replica_id, pool=self.pool, kv_cache_usage=stats.kv_cache_usage,
                              num_running=stats.num_running, num_waiting=stats.num_waiting,
                              num_pending_prompt_tokens=num_pending_prompt_tokens, num_finished=stats.num_finished,

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from fleetserve.platform.output_lengths import NUM_OUTPUT_LENGTH_BUCKETS, count_lengths
+
 
 @dataclass(frozen=True)
 class EngineStats:
@@ -37,6 +39,8 @@ class EngineStats:
     num_external_prompt_tokens: int = 0
     # Requests that ran to a stop condition or max_tokens (cumulative); vLLM leaves aborted ones out.
     num_finished: int = 0
+    # Of those, how many generated a number of tokens in each bucket of OUTPUT_LENGTH_EDGES (cumulative).
+    output_length_counts: tuple[int, ...] = (0,) * NUM_OUTPUT_LENGTH_BUCKETS
     # Time to first token, summed over requests that got one, and how many did (cumulative).
     ttft_sum_s: float = 0.0
     num_first_tokens: int = 0
@@ -84,6 +88,9 @@ class StatsRecorder:
             fields["num_prompt_tokens"] += int(iteration_stats.num_prompt_tokens)
             fields["num_generation_tokens"] += int(iteration_stats.num_generation_tokens)
             fields["num_finished"] += len(iteration_stats.finished_requests)
+            if iteration_stats.finished_requests:
+                finished = count_lengths([f.num_generation_tokens for f in iteration_stats.finished_requests])
+                fields["output_length_counts"] = tuple(map(sum, zip(current.output_length_counts, finished)))
             prompt_stats = getattr(iteration_stats, "prompt_token_stats", None)
             if prompt_stats is not None:
                 fields["num_computed_prompt_tokens"] += int(prompt_stats.computed)

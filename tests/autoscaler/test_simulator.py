@@ -11,6 +11,7 @@ from fleetserve.autoscaler.policy import KVCachePolicy, QueueDepthPolicy
 from fleetserve.platform.config import AutoscalingConfig
 from fleetserve.autoscaler.simulator import SLO, simulate, step_duration
 from fleetserve.platform.config import ReplicaProfile
+from fleetserve.platform.output_lengths import NUM_OUTPUT_LENGTH_BUCKETS, bucket_index
 from fleetserve.autoscaler.traces import TraceRequest, bursts, synthetic
 from fleetserve.cli.main import app
 
@@ -28,6 +29,30 @@ def test_one_request_prefills_then_decodes_one_token_per_step():
     assert result.ttfts[0] == pytest.approx(0.16)
     # Steps 2 and 3 decode one sequence each: 0.01 + 0.001 = 0.011 s; TPOT = 0.022 / 2.
     assert result.tpots[0] == pytest.approx(0.011)
+
+
+class Recording:
+    """Holds one replica and keeps every observation."""
+
+    def __init__(self) -> None:
+        self.observations = []
+
+    def decide(self, observation):
+        self.observations.append(observation)
+        return fixed(1).decide(observation)
+
+
+def test_replicas_report_their_finished_requests_by_output_length():
+    policy = Recording()
+    # The last request keeps the run going past the first decision, at 1 s.
+    trace = [TraceRequest(0.0, 100, 3), TraceRequest(0.0, 100, 3), TraceRequest(0.0, 100, 20), TraceRequest(1.5, 100, 3)]
+    simulate(trace, policy, PROFILE, decision_interval_s=1.0)
+    (replica,) = policy.observations[0].replicas
+    rates = replica.finished_per_s_by_length
+    # The first three finish within the first second (a 0.085 s prefill, then 19 decode steps of 0.011-0.013 s): over
+    # that 1 s interval, 2/s with 3 tokens and 1/s with 20.
+    assert (rates[bucket_index(3)], rates[bucket_index(20)], sum(rates)) == (2.0, 1.0, 3.0)
+    assert len(rates) == NUM_OUTPUT_LENGTH_BUCKETS
 
 
 def test_decode_steps_slow_with_the_kv_their_sequences_hold():

@@ -20,6 +20,7 @@ from fleetserve.autoscaler.slo_policy import (
     ttft_miss_share,
 )
 from fleetserve.platform.config import AutoscalingConfig, ConfigError, ReplicaProfile, parse_section
+from fleetserve.platform.output_lengths import NUM_OUTPUT_LENGTH_BUCKETS, bucket_index
 from fleetserve.platform.replica_report import ReplicaReport
 
 PROFILE = ReplicaProfile(kv_capacity_tokens=10_000, prefill_tokens_per_s=1000, decode_step_base_s=0.01,
@@ -34,10 +35,21 @@ def slo_policy(**knobs) -> SLOPolicy:
 
 
 def report(prompt_tokens_per_s: float = 0.0, firsts_per_s: float = 0.0, kv: float = 0.0, running: int = 0,
-           waiting: int = 0, pending: int = 0, generated_per_s: float = 0.0) -> ReplicaReport:
+           waiting: int = 0, pending: int = 0, generated_per_s: float = 0.0,
+           finished_per_s: dict[int, float] | None = None) -> ReplicaReport:
+    """``finished_per_s``: requests finished per second by output length."""
+    by_length = [0.0] * NUM_OUTPUT_LENGTH_BUCKETS
+    for length, rate in (finished_per_s or {}).items():
+        by_length[bucket_index(length)] += rate
     return ReplicaReport(kv_cache_usage=kv, num_running=running, num_waiting=waiting,
                          num_pending_prompt_tokens=pending, prompt_tokens_per_s=prompt_tokens_per_s,
-                         first_tokens_per_s=firsts_per_s, generated_tokens_per_s=generated_per_s)
+                         first_tokens_per_s=firsts_per_s, generated_tokens_per_s=generated_per_s,
+                         finished_per_s_by_length=tuple(by_length) if finished_per_s else ())
+
+
+def shares(lengths: dict[int, float]) -> tuple[float, ...]:
+    """Shares by output-length bucket, from {output length: share}."""
+    return report(finished_per_s=lengths).finished_per_s_by_length
 
 
 def test_ttft_miss_share_is_an_mm1_queues_time_in_system():
@@ -62,6 +74,36 @@ def test_tpot_miss_share_edges():
     assert tpot_miss_share(0.02, 0.0, 0.0, 0.1, 100, 0.05) == 0.0
     # More stalls per request (more prompts per second) can only miss more.
     assert tpot_miss_share(0.02, 0.5, 5.0, 0.1, 50, 0.05) > tpot_miss_share(0.02, 0.25, 2.5, 0.1, 50, 0.05) > 0
+
+
+def test_tpot_miss_share_averages_over_the_measured_output_lengths():
+    # Half the requests generate 2 tokens, half 1, as measured. A 2-token one lives 2 x 0.02 / 0.5 = 0.08 s,
+    # meets 5 x 0.08 = 0.4 prompts, and may take (0.05 - 0.02) x 1 / 0.1 = 0.3, so no, stall: it misses with
+    # P(K >= 1) = 1 - e^-0.4 = 0.32968. One-token answers never miss: 0.5 x 0.32968 = 0.16484.
+    measured = tpot_miss_share(0.02, 0.5, 5.0, 0.1, 1.5, 0.05, shares({1: 0.5, 2: 0.5}))
+    assert measured == pytest.approx(0.5 * (1 - math.exp(-0.4)))
+
+
+def test_measured_long_answers_need_fewer_replicas_than_exponential_ones():
+    # Exponential outputs of mean 128 put some at a few tokens, where one 0.1 s prefill stall misses 50 ms:
+    # 2 replicas. Measured, every answer is 128 tokens long (the [128, 181) bucket): 1 replica carries it.
+    exponential = slo_policy().size(Demand(500, 0, 10, 100, 128))
+    measured = slo_policy().size(Demand(500, 0, 10, 100, 128, shares({128: 1.0})))
+    assert (exponential.num_replicas, exponential.reason, measured.num_replicas) == (2, "slo_tpot", 1)
+
+
+def test_output_lengths_are_measured_once_enough_requests_finished_in_the_window():
+    policy = slo_policy(window_s=2)
+    policy.decide(PoolObservation(0.0, 1, (report(100, 1, finished_per_s={7: 10, 300: 10}),)))
+    # 20 finished in the 1 s decision period: fewer than 50, so lengths are taken as exponential.
+    assert policy.demand().output_length_shares == ()
+    policy.decide(PoolObservation(1.0, 1, (report(100, 1, finished_per_s={7: 30}),) * 2))
+    # 20 + 2 x 30 = 80 finished: 70 of 7 tokens, 10 of 300.
+    assert policy.demand().output_length_shares == shares({7: 70 / 80, 300: 10 / 80})
+    for t in (2.0, 3.0, 4.0):
+        policy.decide(PoolObservation(t, 1, (report(100, 1),)))
+    # At 4 s both are more than 2 s old, and nothing finished since.
+    assert policy.demand().output_length_shares == ()
 
 
 def test_forecast_projects_a_ramp_along_its_line():

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats
+
 from fleetserve.autoscaler.serve_adapter import _reports, autoscaling_metrics
+from fleetserve.platform.output_lengths import NUM_OUTPUT_LENGTH_BUCKETS, bucket_index
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
-from fleetserve.platform.stats import EngineStats
+from fleetserve.platform.stats import EngineStats, StatsRecorder
 from fleetserve.router.replica.serve_adapter import KVEventSource, RoutingStats, routing_stats
 
 
@@ -39,6 +42,36 @@ def test_first_report_has_no_rates_then_rates_cover_the_interval():
     assert (second.num_finished, second.kv_cache_usage, second.num_running, second.num_waiting) == (4, 0.5, 3, 1)
 
 
+def finished(*num_generation_tokens: int) -> IterationStats:
+    iteration = IterationStats()
+    iteration.finished_requests = [FinishedRequestStats(finish_reason="stop", num_generation_tokens=n)
+                                   for n in num_generation_tokens]
+    return iteration
+
+
+def test_the_recorder_counts_finished_requests_by_output_length():
+    recorder = StatsRecorder()
+    recorder.record(None, finished(7, 7, 300))
+    recorder.record(None, finished(9))
+    counts = recorder.snapshot().output_length_counts
+    # 7 and 7 in [6, 8), 9 in [8, 11), 300 in [256, 362); nothing else.
+    assert (counts[bucket_index(7)], counts[bucket_index(9)], counts[bucket_index(300)], sum(counts)) == (2, 1, 1, 4)
+    assert recorder.snapshot().num_finished == 4
+
+
+def test_finished_requests_by_length_are_rates_over_the_interval():
+    clock = FakeClock()
+    reporter = ReplicaReporter("r0", "colocated", clock)
+    before = [0] * NUM_OUTPUT_LENGTH_BUCKETS
+    assert reporter.report(stats(output_length_counts=tuple(before)), 0).finished_per_s_by_length == ()
+    after = list(before)
+    after[bucket_index(7)], after[bucket_index(300)] = 4, 1
+    clock.now += 2.0
+    rates = reporter.report(stats(output_length_counts=tuple(after)), 0).finished_per_s_by_length
+    # 4 and 1 finished over 2 s: 2/s and 0.5/s.
+    assert (rates[bucket_index(7)], rates[bucket_index(300)], sum(rates)) == (2.0, 0.5, 2.5)
+
+
 def test_an_interval_without_first_tokens_reports_no_ttft():
     clock = FakeClock()
     reporter = ReplicaReporter("r0", "colocated", clock)
@@ -55,7 +88,8 @@ class ReplicaID:
 def test_a_report_survives_serves_autoscaling_metrics():
     report = ReplicaReport(replica_id="r0", pool="prefill", kv_cache_usage=0.25, num_running=2, num_waiting=5,
                            num_pending_prompt_tokens=640, tokens_per_s=80.0, prompt_tokens_per_s=40.0, ttft_s=0.3,
-                           generated_tokens_per_s=40.0, first_tokens_per_s=2.0)
+                           generated_tokens_per_s=40.0, first_tokens_per_s=2.0,
+                           finished_per_s_by_length=tuple(float(i) for i in range(NUM_OUTPUT_LENGTH_BUCKETS)))
     metrics = autoscaling_metrics(report)
     # Serve keeps {metric: {replica: value}}; num_finished is admission control's, not the autoscaler's.
     aggregated = {name: {ReplicaID("r0"): value} for name, value in metrics.items()}

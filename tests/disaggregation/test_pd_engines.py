@@ -24,6 +24,7 @@ from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import EngineRequestError
 from fleetserve.platform.kv_transfer import KVTransferSpec, lease_side_channel_ports
 from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.output_lengths import bucket_index
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 pytest.importorskip("nixl", reason="disaggregation needs nixl (make install adds it)")
@@ -287,3 +288,9 @@ async def test_autoscaling_signals_put_prefill_work_on_the_pool_that_does_it(clu
     assert computed == [0, sum(PROMPT_LENGTHS)]
     assert signals[0].prompt_tokens_per_s == 0 and signals[1].prompt_tokens_per_s > 0
     assert [s.num_pending_prompt_tokens for s in signals] == [0, 0]
+    # The decode replica finished all six requests at their 12 tokens: the output lengths the SLO policy
+    # reads are there, and only there.
+    finished = [a - b for a, b in zip(decode.engine.stats().output_length_counts, before[0].output_length_counts)]
+    assert (finished[bucket_index(MAX_TOKENS)], sum(finished)) == (len(PROMPT_LENGTHS), len(PROMPT_LENGTHS))
+    lengths = signals[0].finished_per_s_by_length
+    assert [i for i, rate in enumerate(lengths) if rate > 0] == [bucket_index(MAX_TOKENS)]
