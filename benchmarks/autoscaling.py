@@ -45,6 +45,7 @@ import os
 import random
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -805,6 +806,7 @@ def _realcheck(out: Path, model_name: str = "tiny") -> None:
         result = asyncio.run(run_benchmark(config, specs))
         done.set()
         sampler.join()
+        decisions = _logged_decisions(model_name)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -818,16 +820,29 @@ def _realcheck(out: Path, model_name: str = "tiny") -> None:
               "slo": asdict(slo), "profile": profile.model_dump(), "measured": measured,
               "simulated": {k: v for k, v in simulated.summary().items() if not k.startswith("decisions_")},
               "simulated_replicas": [(p.time_s, p.num_replicas) for p in simulated.timeline],
-              "measured_replicas": samples}
+              "measured_replicas": samples, "decisions_logged": decisions}
     out.mkdir(parents=True, exist_ok=True)
     (out / f"realcheck-{model_name}.json").write_text(json.dumps(report, indent=2) + "\n")
     _plot_realcheck(out / f"autoscaling-realcheck-{model_name}.png", samples, simulated, model_name)
     sim = report["simulated"]
     print(f"measured:  both SLOs {measured['slo_attainment']:.2%} (TTFT {measured['ttft_attainment']:.2%}, TPOT "
           f"{measured['tpot_attainment']:.2%}), {measured['replica_seconds']:,.0f} replica-s, up to "
-          f"{measured['max_replicas']} replicas, {measured['num_failed']} failed")
+          f"{measured['max_replicas']} replicas, {measured['num_failed']} failed {measured['failures'] or ''}")
     print(f"simulated: both SLOs {sim['slo_attainment']:.2%} (TTFT {sim['ttft_attainment']:.2%}, TPOT "
           f"{sim['tpot_attainment']:.2%}), {sim['replica_seconds']:,.0f} replica-s, up to {sim['max_replicas']} replicas")
+    measured_lengths = sum("lengths measured" in line for line in decisions)
+    print(f"the served policy's decisions (logged at each change): {len(decisions)}, {measured_lengths} of them on "
+          f"output lengths its replicas measured", flush=True)
+    for line in decisions:
+        print(f"  {line}")
+
+
+def _logged_decisions(model_name: str) -> list[str]:
+    """The served policy's decisions, as Serve's controller logged them (at each change of count or reason)."""
+    logs = Path("/tmp/ray/session_latest/logs/serve")  # the session ray.init() started, in Ray's default temp dir
+    marker = f"autoscaler {model_name}/"
+    return [line.split(marker, 1)[1].strip() for path in sorted(logs.glob("controller_*.log"))
+            for line in path.read_text(errors="replace").splitlines() if marker in line]
 
 
 def _measured(records: list, samples: list[tuple[float, int, int]], slo: SLO) -> dict:
@@ -839,6 +854,7 @@ def _measured(records: list, samples: list[tuple[float, int, int]], slo: SLO) ->
     seconds = sum((b[0] - a[0]) * (a[1] + a[2]) for a, b in zip(samples, samples[1:]))
     n = max(1, len(records))
     return {"num_requests": len(records), "num_failed": sum(not r.ok for r in records),
+            "failures": dict(Counter(r.error or "no error text" for r in records if not r.ok)),
             "ttft_attainment": sum(ttft_ok) / n, "tpot_attainment": sum(tpot_ok) / n,
             "slo_attainment": sum(a and b for a, b in zip(ttft_ok, tpot_ok)) / n, "replica_seconds": seconds,
             "max_replicas": max((running + starting for _, running, starting in samples), default=0)}
