@@ -88,7 +88,8 @@ class AutoscalingConfig(Strict):
     max_waiting_per_replica: float = Field(default=2.0, gt=0)
     # kv_cache: prefill and colocated pools scale up when recent mean TTFT exceeds this.
     ttft_target_s: float = Field(default=2.0, gt=0)
-    # kv_cache: seconds of observations the KV mean and the prompt-token demand cover.
+    # kv_cache, slo: seconds of observations the KV mean and the prompt-token demand cover (slo: and the
+    # output lengths of the requests finished, which its TPOT misses are averaged over).
     window_s: float = Field(default=30.0, gt=0)
     # kv_cache: scale-up sizes KV this many seconds ahead along the window's trend (about a replica's
     # start-up, for long generations whose KV keeps growing); 0 sizes on the window mean.
