@@ -217,20 +217,14 @@ class SLOPolicy:
         # The last measured mean prompt and output, kept through windows without any first token.
         self.mean_prompt_tokens = 0.0
         self.mean_output_tokens = 1.0
-        # (time, requests finished per second by output-length bucket), all replicas summed, over the window
-        # that sets the mean output too: over the envelope, the lengths lagged a change of traffic by minutes
-        # (the Azure traces back to back: 98.5% attainment as code followed conversation, against 99.4%).
-        self.finished: deque[tuple[float, np.ndarray]] = deque()
-        self.lengths_span_s = config.window_s
         self.stabilizer = Stabilizer(config, hpa_behaviour=False)
 
     def demand(self) -> Demand:
         """The window's demand, each part forecast one start-up ahead."""
         reporting = [obs for obs in self.window if obs.replicas]
-        shares = self._output_length_shares()
         if not reporting:
             return Demand(0.0, 0.0, float(self.window[-1].num_ongoing) if self.window else 0.0,
-                          self.mean_prompt_tokens, self.mean_output_tokens, shares)
+                          self.mean_prompt_tokens, self.mean_output_tokens)
         level_s = self.config.window_s
         times = [obs.time_s for obs in reporting]
         recent = [obs for obs in reporting if obs.time_s >= times[-1] - level_s]
@@ -248,21 +242,17 @@ class SLOPolicy:
         horizon = self.horizon_s
         return Demand(forecast(demand_times, prompt_rates, horizon, level_s) + backlog / self.backlog_drain_s,
                       forecast(times, kv, horizon, level_s), forecast(times, sequences, horizon, level_s),
-                      self.mean_prompt_tokens, self.mean_output_tokens, shares)
+                      self.mean_prompt_tokens, self.mean_output_tokens, self._output_length_shares(recent))
 
-    def _record_finished(self, observation: PoolObservation) -> None:
-        rates = [r.finished_per_s_by_length for r in observation.replicas if r.finished_per_s_by_length]
-        if rates:
-            self.finished.append((observation.time_s, np.sum(rates, axis=0)))
-        while self.finished and self.finished[0][0] < observation.time_s - self.lengths_span_s:
-            self.finished.popleft()
-
-    def _output_length_shares(self) -> tuple[float, ...]:
-        """The window's finished requests by output-length bucket, as shares; empty below
-        ``LENGTHS_MIN_FINISHED`` of them."""
-        if not self.finished:
+    def _output_length_shares(self, recent: list[PoolObservation]) -> tuple[float, ...]:
+        """The requests the window's observations saw finish, by output-length bucket, as shares; empty below
+        ``LENGTHS_MIN_FINISHED`` of them. The window is the one that sets the mean output: over the envelope,
+        the lengths lagged a change of traffic by minutes (the Azure traces back to back: 98.5% attainment as
+        code followed conversation, against 99.4%)."""
+        rates = [r.finished_per_s_by_length for obs in recent for r in obs.replicas if r.finished_per_s_by_length]
+        if not rates:
             return ()
-        counts = np.sum([rates for _, rates in self.finished], axis=0) * self.config.decision_period_s
+        counts = np.sum(rates, axis=0) * self.config.decision_period_s
         total = float(counts.sum())
         return tuple(float(c) for c in counts / total) if total >= LENGTHS_MIN_FINISHED else ()
 
@@ -310,7 +300,6 @@ class SLOPolicy:
         self.window.append(observation)
         while self.window and self.window[0].time_s < now - self.history_s:
             self.window.popleft()
-        self._record_finished(observation)
         idle = observation.num_ongoing == 0
         self.idle_since = (self.idle_since if self.idle_since is not None else now) if idle else None
         if current == 0:
