@@ -40,12 +40,60 @@ def load_trace(spec: str, seed: int = 0, rate_scale: float = 1.0) -> list[TraceR
 def _autoscaling(path: Path, profile: ReplicaProfile | None = None) -> AutoscalingConfig:
     """An ``autoscaling:`` block from a file holding just the block, or the block under an ``autoscaling`` key.
     A ``slo`` block without its own profile sizes the pool on ``profile``, the simulated replica's."""
-    data = _yaml(path)
-    if set(data) == {"autoscaling"}:
-        data = data["autoscaling"]
+    data = _block(path)
     if data.get("policy") == "slo" and "profile" not in data and profile is not None:
         data = {**data, "profile": profile.model_dump()}
     return parse_section(AutoscalingConfig, data, str(path))
+
+
+def _block(path: Path) -> dict[str, Any]:
+    data = _yaml(path)
+    return data["autoscaling"] if set(data) == {"autoscaling"} else data
+
+
+def _stated_slo(paths: list[Path]) -> tuple[Path, dict[str, Any]] | None:
+    """The first ``slo`` policy and its block: its SLOs and profile are what the simulation judges by and
+    simulates by default (a policy judged against targets, or run on a replica, other than those it was given
+    is not the comparison its author asked for)."""
+    for path in paths:
+        if (block := _block(path)).get("policy") == "slo":
+            _autoscaling(path, ReplicaProfile())  # its errors name the file and key before anything runs
+            return path, block
+    return None
+
+
+def _replica_and_slo(stated: tuple[Path, dict[str, Any]] | None, profile: Path | None, slo_ttft: float | None,
+                     slo_tpot: float | None) -> tuple[ReplicaProfile, SLO, str]:
+    """The simulated replica and the SLOs: the options where given, else the first slo policy's, else the
+    built-in ones; and a line saying which."""
+    block = stated[1] if stated else {}
+    if profile is not None:
+        replica, replica_from = parse_section(ReplicaProfile, _yaml(profile), str(profile)), str(profile)
+    elif "profile" in block:
+        replica = parse_section(ReplicaProfile, block["profile"], f"{stated[0]}: profile")
+        replica_from = f"{stated[0].name}'s profile"
+    else:
+        replica, replica_from = ReplicaProfile(), "the built-in profile"
+    slo = SLO(float(slo_ttft if slo_ttft is not None else block.get("ttft_p99_s", SLO.ttft_s)),
+              float(slo_tpot if slo_tpot is not None else block.get("tpot_p99_s", SLO.tpot_s)))
+    options = [name for name, value in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot)) if value is not None]
+    slo_from = " and ".join(options if len(options) == 2 else [stated[0].name if stated else "the defaults", *options])
+    return replica, slo, f"replicas simulated with {replica_from}; SLOs TTFT {slo.ttft_s:g} s, TPOT " \
+                         f"{slo.tpot_s:g} s (from {slo_from})"
+
+
+def _warn_mismatch(path: Path, config: AutoscalingConfig, replica: ReplicaProfile, slo: SLO) -> None:
+    """Says when an SLO policy plans for targets or a replica other than those it is simulated and judged on
+    (legitimate, to see what a miscalibrated profile costs, but never silent)."""
+    if config.policy != "slo":
+        return
+    if (config.ttft_p99_s, config.tpot_p99_s) != (slo.ttft_s, slo.tpot_s):
+        console.print(f"[yellow]note: {path.name} targets TTFT {config.ttft_p99_s:g} s / TPOT "
+                      f"{config.tpot_p99_s:g} s but is judged on {slo.ttft_s:g} s / {slo.tpot_s:g} s[/yellow]")
+    differing = [name for name, value in config.profile.model_dump().items() if getattr(replica, name) != value]
+    if differing:
+        console.print(f"[yellow]note: {path.name} plans with a profile whose {', '.join(differing)} differ from "
+                      f"the simulated replica's[/yellow]")
 
 
 def _yaml(path: Path) -> dict[str, Any]:
@@ -123,9 +171,12 @@ def simulate_command(
     policy: Annotated[Path, typer.Option(help="A model's autoscaling block as YAML, exactly as the platform config takes "
                                               "it, e.g. {policy: kv_cache, target_high: 0.75, max_replicas: 8}.")],
     compare: Annotated[Optional[list[Path]], typer.Option(help="More policy YAMLs to run on the same trace.")] = None,
-    profile: Annotated[Optional[Path], typer.Option(help="Replica profile YAML (ReplicaProfile fields); default: built-in.")] = None,
-    slo_ttft: Annotated[float, typer.Option(help="TTFT target in seconds.")] = 2.0,
-    slo_tpot: Annotated[float, typer.Option(help="TPOT target in seconds.")] = 0.1,
+    profile: Annotated[Optional[Path], typer.Option(help="Replica profile YAML (ReplicaProfile fields); default: the "
+                                                        "first slo policy's profile, else built-in.")] = None,
+    slo_ttft: Annotated[Optional[float], typer.Option(help="TTFT target in seconds; default: the first slo policy's "
+                                                           "ttft_p99_s, else 2.")] = None,
+    slo_tpot: Annotated[Optional[float], typer.Option(help="TPOT target in seconds; default: the first slo policy's "
+                                                           "tpot_p99_s, else 0.1.")] = None,
     initial_replicas: Annotated[int, typer.Option(help="Replicas at the start.")] = 1,
     plot: Annotated[Optional[Path], typer.Option(help="Write the timeline PNG here.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the summaries as JSON here.")] = None,
@@ -140,15 +191,18 @@ def simulate_command(
         raise fail(str(error)) from None
     if not requests:
         raise fail(f"trace {trace} has no requests")
+    paths = [policy, *(compare or [])]
     try:
-        replica = parse_section(ReplicaProfile, _yaml(profile), str(profile)) if profile else ReplicaProfile()
+        replica, slo, judged_by = _replica_and_slo(_stated_slo(paths), profile, slo_ttft, slo_tpot)
     except ConfigError as error:
         raise fail(str(error)) from None
-    slo = SLO(slo_ttft, slo_tpot)
+    console.print(judged_by)
     results = []
-    for path in [policy, *(compare or [])]:
+    for path in paths:
         try:
-            policy_object = make_policy(_autoscaling(path, replica))
+            config = _autoscaling(path, replica)
+            _warn_mismatch(path, config, replica, slo)
+            policy_object = make_policy(config)
             console.print(f"simulating {path.stem} on {len(requests)} requests ...")
             results.append(simulate(requests, policy_object, replica, slo, initial_replicas, name=path.stem))
         except ValueError as error:  # ConfigError names its file and keys itself

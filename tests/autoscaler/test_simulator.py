@@ -161,3 +161,37 @@ def test_simulate_command_replays_a_recorded_trace_csv_faster(tmp_path):
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,x,3\n")
     result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", str(bad), "--policy", str(slo)])
     assert result.exit_code == 2 and "bad.csv:2: expected a timestamp and two token counts" in result.output
+
+
+def test_simulate_command_judges_an_slo_policy_by_its_own_targets_and_profile(tmp_path):
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n" + "".join(f"{i},100,10\n" for i in range(20)))
+    slo = tmp_path / "slo.yaml"
+    slo.write_text("policy: slo\nttft_p99_s: 1.5\ntpot_p99_s: 0.04\nmax_replicas: 2\n"
+                   "profile: {kv_capacity_tokens: 3000, prefill_tokens_per_s: 1500, startup_s: 7}\n")
+    ray_default = tmp_path / "ray.yaml"
+    ray_default.write_text("policy: ray_default\n")
+    result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", str(trace), "--policy", str(ray_default),
+                                      "--compare", str(slo), "--json", str(tmp_path / "r.json")])
+    assert result.exit_code == 0, result.output
+    summary = json.loads((tmp_path / "r.json").read_text())
+    # Both policies ran on the slo block's replica and were judged by its targets, not the built-in 2 s / 0.1 s.
+    assert summary["slo"] == {"ttft_s": 1.5, "tpot_s": 0.04}
+    assert summary["profile"] == ReplicaProfile(kv_capacity_tokens=3000, prefill_tokens_per_s=1500,
+                                                startup_s=7).model_dump()
+    assert "replicas simulated with slo.yaml's profile; SLOs TTFT 1.5 s, TPOT 0.04 s (from slo.yaml)" in result.output
+    assert "note:" not in result.output
+
+
+def test_simulate_command_says_when_an_slo_policy_plans_for_another_replica_or_target(tmp_path):
+    slo = tmp_path / "slo.yaml"
+    slo.write_text("policy: slo\nttft_p99_s: 2\ntpot_p99_s: 0.05\n"
+                   "profile: {kv_capacity_tokens: 3000, prefill_tokens_per_s: 1500}\n")
+    profile = tmp_path / "profile.yaml"
+    profile.write_text("kv_capacity_tokens: 3000\nprefill_tokens_per_s: 3000\n")
+    result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", "ramp:20:1:2", "--policy", str(slo),
+                                      "--profile", str(profile), "--slo-tpot", "0.1"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "SLOs TTFT 2 s, TPOT 0.1 s (from slo.yaml and --slo-tpot)" in result.output
+    assert "note: slo.yaml targets TTFT 2 s / TPOT 0.05 s but is judged on 2 s / 0.1 s" in result.output
+    assert "note: slo.yaml plans with a profile whose prefill_tokens_per_s differ" in result.output
