@@ -96,7 +96,8 @@ def main() -> None:
     groups = np.array(dev.groups)
     print(f"{len(dev.prompts)} prompts in {len(set(dev.groups))} subjects (the group split's test subjects left out)",
           flush=True)
-    features = {spec: embed_cached(make_embedder(spec, num_threads=2), dev.prompts) for spec in ("difficulty", "hashing")}
+    features = {spec: embed_cached(make_embedder(spec, num_threads=2), dev.prompts)
+                for spec in ("difficulty", "hashing")}
     scorers = candidates(dev, features)
     scores: dict[str, list[float]] = {name: [] for name in scorers}
     for seed in range(args.seeds):
