@@ -155,6 +155,45 @@ async def test_short_prompts_skip_remote_prefill(cluster):
     assert after.num_external_prompt_tokens - before.num_external_prompt_tokens == len(long)
 
 
+# A user turn of about 300 tokens: past BLOCK, so min_prompt_tokens=BLOCK sends it to the prefill pool. Each
+# endpoint names itself first, so neither finds the other's blocks in a prefix cache.
+LONG_TEXT = " ".join(f"Shelf {i} holds {3 * i + 1} red boxes." for i in range(30)) + " Summarise the inventory."
+# The same request on each endpoint vLLM can disaggregate besides chat and completions.
+API_REQUESTS = {
+    Endpoint.MESSAGES: {"model": "smollm2", "max_tokens": MAX_TOKENS, "temperature": 0, "system": "Be brief.",
+                        "messages": [{"role": "user",
+                                      "content": [{"type": "text", "text": f"Messages. {LONG_TEXT}"}]}]},
+    Endpoint.RESPONSES: {"model": "smollm2", "max_output_tokens": MAX_TOKENS, "temperature": 0,
+                         "instructions": "Be brief.", "input": f"Responses. {LONG_TEXT}"},
+}
+
+
+def answer_text(endpoint: Endpoint, body: dict) -> str:
+    if endpoint is Endpoint.MESSAGES:
+        return "".join(block["text"] for block in body["content"] if block["type"] == "text")
+    return "".join(part["text"] for item in body["output"] if item["type"] == "message" for part in item["content"])
+
+
+@pytest.mark.parametrize("endpoint", list(API_REQUESTS))
+async def test_anthropic_messages_and_responses_are_prefilled_remotely_with_the_same_answer(cluster, endpoint):
+    decode = cluster.decode[0]
+    decode.prefill_client = LocalPrefillClient(cluster.prefill, order=[1])
+    decode.settings = pd_model(min_prompt_tokens=BLOCK).disaggregation
+    body = json.dumps(API_REQUESTS[endpoint]).encode()
+    try:
+        status, reference, _ = await respond(cluster.reference, ApiRequest(f"ref-{endpoint.name}", endpoint, body))
+        before = decode.engine.stats()
+        pd_status, answer, prefill_id = await respond(decode, ApiRequest(f"pd-{endpoint.name}", endpoint, body))
+        after = decode.engine.stats()
+    finally:
+        decode.settings = pd_model().disaggregation
+    assert (status, pd_status, prefill_id) == (200, 200, "p1"), answer
+    assert answer_text(endpoint, answer) == answer_text(endpoint, reference) != ""
+    # The decode engine computed no prompt token itself: all of them came from the prefill replica.
+    moved = after.num_external_prompt_tokens - before.num_external_prompt_tokens
+    assert after.num_computed_prompt_tokens - before.num_computed_prompt_tokens == 0 and moved > BLOCK
+
+
 @pytest.mark.parametrize("how", ["stop_string", "abort"])
 async def test_early_end_frees_both_sides(cluster, how):
     decode = cluster.decode[1]

@@ -22,6 +22,7 @@ from typing import Any, Protocol
 from ray import serve
 
 from fleetserve.deployments.disaggregated.prefill_server import (
+    DISAGGREGATED_ENDPOINTS,
     KVTransferReplica,
     PrefillResult,
     PrefillServer,
@@ -227,22 +228,28 @@ class DecodeServer(EngineServer):
             self.metrics.local_prefills.inc()
 
     async def _num_prompt_tokens(self, request: ApiRequest, payload: dict[str, Any]) -> int:
-        """The prompt's length as the engine renders it, from vLLM's own /tokenize."""
-        prompt = payload.get("prompt")
-        if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
-            return len(prompt)
-        keys = ("model", "messages", "prompt", "tools", "chat_template", "chat_template_kwargs",
-                "add_generation_prompt", "continue_final_message", "add_special_tokens")
-        body = json.dumps({key: payload[key] for key in keys if key in payload}).encode()
-        head, tokens = await self.respond(ApiRequest(f"{request.request_id}-t", Endpoint.TOKENIZE, body))
+        """The prompt's length from vLLM's own /tokenize: as the engine renders it for chat and completions;
+        for Anthropic messages and Responses input, their text rendered as chat messages (tool blocks and
+        items other than text are not counted)."""
+        body = _tokenize_body(request.endpoint, payload)
+        if isinstance(body, int):
+            return body
+        head, tokens = await self.respond(ApiRequest(f"{request.request_id}-t", Endpoint.TOKENIZE,
+                                                     json.dumps(body).encode()))
         if head.status_code != 200:
             return 0  # the request itself will get vLLM's error when run locally
         return int(json.loads(tokens).get("count", 0))
 
     async def _prefills_remotely(self, request: ApiRequest, payload: dict[str, Any]) -> bool:
-        # Several samples, prompt logprobs and echo need the prompt computed here.
-        if (payload.get("n") or 1) > 1 or payload.get("echo") \
-                or payload.get("prompt_logprobs") is not None:
+        # Several samples, prompt logprobs and echo need the prompt computed here. A Responses request that
+        # continues a stored response or conversation renders its prompt from this replica's store, which the
+        # prefill replica does not have; one with built-in tools may generate several turns on one request,
+        # and each turn would pull the first one's KV again.
+        if (payload.get("n") or 1) > 1 or payload.get("echo") or payload.get("prompt_logprobs") is not None \
+                or payload.get("previous_response_id") or payload.get("conversation"):
+            return False
+        if request.endpoint is Endpoint.RESPONSES and any(
+                not isinstance(tool, dict) or tool.get("type") != "function" for tool in payload.get("tools") or []):
             return False
         if self.settings.min_prompt_tokens <= 1:
             return True
@@ -264,7 +271,7 @@ class DecodeServer(EngineServer):
             yield refusal
             return
         payload = None
-        if request.endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+        if request.endpoint in DISAGGREGATED_ENDPOINTS:
             try:
                 payload = json.loads(request.body)
             except ValueError:
@@ -289,6 +296,31 @@ class DecodeServer(EngineServer):
         body = json.dumps({**payload, "kv_transfer_params": prefill.kv_transfer_params}).encode()
         async for chunk in self._run(request, body, started_at, prefill.replica_id):
             yield chunk
+
+
+_TOKENIZE_KEYS = ("model", "messages", "prompt", "tools", "chat_template", "chat_template_kwargs",
+                  "add_generation_prompt", "continue_final_message", "add_special_tokens")
+
+
+def _tokenize_body(endpoint: Endpoint, payload: dict[str, Any]) -> dict[str, Any] | int:
+    """A /tokenize body for the request's prompt, or its length when the body holds token ids (0 when the
+    prompt cannot be read: the request then runs here and gets vLLM's own error)."""
+    if endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and all(isinstance(token, int) for token in prompt):
+            return len(prompt)
+        return {key: payload[key] for key in _TOKENIZE_KEYS if key in payload}
+    try:
+        fields = read_fields(endpoint, payload)
+    except APIError:
+        return 0
+    if fields.messages is not None:
+        return {"model": fields.model, "messages": fields.messages}
+    if isinstance(fields.prompt, list):
+        return len(fields.prompt)
+    instructions = payload.get("instructions")
+    system = [{"role": "system", "content": instructions}] if isinstance(instructions, str) and instructions else []
+    return {"model": fields.model, "messages": [*system, {"role": "user", "content": fields.prompt or ""}]}
 
 
 @serve.deployment

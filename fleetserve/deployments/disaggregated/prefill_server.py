@@ -43,17 +43,42 @@ class PrefillResult:
     error_body: bytes = b""
 
 
+# The endpoints whose requests vLLM can prefill on one engine and decode on another: each takes
+# ``kv_transfer_params`` in its body and returns the handover in its response.
+DISAGGREGATED_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.MESSAGES, Endpoint.RESPONSES})
+# The field that bounds each endpoint's output, set to one token for the prefill.
+_OUTPUT_BUDGET = {Endpoint.CHAT: "max_completion_tokens", Endpoint.COMPLETIONS: "max_tokens",
+                  Endpoint.MESSAGES: "max_tokens", Endpoint.RESPONSES: "max_output_tokens"}
+
+
 def prefill_body(payload: dict[str, Any], endpoint: Endpoint) -> bytes:
-    """The client's request as a prefill: one token, not streamed, with its KV kept for a decode engine."""
-    body = {**payload, "stream": False, "n": 1, "min_tokens": 0, "kv_transfer_params": REMOTE_DECODE}
+    """The client's request as a prefill: one token, not streamed, with its KV kept for a decode engine.
+
+    Only fields the endpoint's vLLM request type has are set: a chat or completion request samples once
+    (``n``) with no minimum; a Responses request is not stored or run in the background, since its answer
+    is the decode replica's to keep.
+    """
+    body = {**payload, "stream": False, "kv_transfer_params": REMOTE_DECODE}
     body.pop("stream_options", None)
-    # One token: vLLM's prefill step samples one, which the decode engine recomputes and keeps.
+    if endpoint in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+        body.update(n=1, min_tokens=0)
     if endpoint is Endpoint.CHAT:
         body.pop("max_tokens", None)
-        body["max_completion_tokens"] = 1
-    else:
-        body["max_tokens"] = 1
+    if endpoint is Endpoint.RESPONSES:
+        body.update(store=False, background=False)
+    # One token: vLLM's prefill step samples one, which the decode engine recomputes and keeps.
+    body[_OUTPUT_BUDGET[endpoint]] = 1
     return json.dumps(body).encode()
+
+
+def cached_prompt_tokens(usage: dict[str, Any]) -> int:
+    """Prompt tokens found in the prefix cache, from any endpoint's usage: OpenAI's chat and completions
+    (``prompt_tokens_details``), Responses (``input_tokens_details``) or Anthropic (``cache_read_input_tokens``)."""
+    for key in ("prompt_tokens_details", "input_tokens_details"):
+        details = usage.get(key) or {}
+        if details.get("cached_tokens"):
+            return int(details["cached_tokens"])
+    return int(usage.get("cache_read_input_tokens") or 0)
 
 
 class PrefillServer(EngineServer):
@@ -86,8 +111,7 @@ class PrefillServer(EngineServer):
         params = payload.get("kv_transfer_params")
         if not params:
             raise PrefillError(f"prefill replica {self.replica_id} returned no KV transfer parameters")
-        details = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
-        return PrefillResult(self.replica_id, params, int(details.get("cached_tokens") or 0))
+        return PrefillResult(self.replica_id, params, cached_prompt_tokens(payload.get("usage") or {}))
 
 
 def replica_kv_transfer(model: ModelConfig, host: str) -> KVTransferSpec:
