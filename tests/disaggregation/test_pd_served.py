@@ -78,6 +78,26 @@ def test_same_api_and_output_as_colocated(pd_app, served):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
 
 
+def answer_texts(path: str, body: dict) -> list[str]:
+    """The text parts of an Anthropic message or a Responses output (their ids differ per response)."""
+    if path == "/v1/messages":
+        return [block["text"] for block in body["content"] if block["type"] == "text"]
+    return [part["text"] for item in body["output"] if item["type"] == "message" for part in item["content"]]
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/messages", {"max_tokens": 6, "messages": [{"role": "user", "content": LONG_PROMPT}]}),
+    ("/v1/responses", {"max_output_tokens": 6, "input": LONG_PROMPT}),
+])
+def test_anthropic_and_responses_requests_are_disaggregated_through_serve(pd_app, served, path, body):
+    pd = httpx.post(f"{pd_app.base_url}{path}", json={"model": MODEL, "temperature": 0, **body}, timeout=120)
+    reference = httpx.post(f"{served.base_url}{path}", json={"model": "tiny", "temperature": 0, **body}, timeout=120)
+    assert (pd.status_code, reference.status_code) == (200, 200), pd.text
+    assert pd.headers[HEADER_POOL] == "decode" and pd.headers[HEADER_PREFILL_REPLICA]
+    # The same greedy answer as the suite's colocated tiny model (same source and engine args).
+    assert answer_texts(path, pd.json()) == answer_texts(path, reference.json()) != []
+
+
 def test_headers_name_both_replicas_and_load_spreads_over_pools(pd_app):
     async def one(index: int) -> httpx.Response:
         async with httpx.AsyncClient(timeout=120) as client:
