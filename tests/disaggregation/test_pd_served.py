@@ -98,6 +98,16 @@ def test_anthropic_and_responses_requests_are_disaggregated_through_serve(pd_app
     assert answer_texts(path, pd.json()) == answer_texts(path, reference.json()) != []
 
 
+def test_anthropic_stream_is_disaggregated_and_ends_with_message_stop(pd_app):
+    body = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True,
+            "messages": [{"role": "user", "content": LONG_PROMPT}]}
+    with httpx.stream("POST", f"{pd_app.base_url}/v1/messages", json=body, timeout=120) as response:
+        events = [line.removeprefix("event: ") for line in response.iter_lines() if line.startswith("event: ")]
+        assert response.status_code == 200 and response.headers[HEADER_PREFILL_REPLICA]
+    assert events[0] == "message_start" and events[-1] == "message_stop"
+    assert "content_block_delta" in events
+
+
 def test_headers_name_both_replicas_and_load_spreads_over_pools(pd_app):
     async def one(index: int) -> httpx.Response:
         async with httpx.AsyncClient(timeout=120) as client:
