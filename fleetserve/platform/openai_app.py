@@ -135,3 +135,11 @@ def vllm_serve_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 
                "--served-model-name", model.name, "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
     # The same frontend flags (tool parser, chat template, adapters) fleetserve's replicas give vLLM's app.
     return command + cli_flags(model.engine_kwargs()) + frontend_flags(model) + lora_module_flags(model, path)
+
+
+def responses_store_enabled() -> bool:
+    """Whether vLLM's Responses API keeps responses (``VLLM_ENABLE_RESPONSES_API_STORE``): without it, vLLM
+    refuses a ``background`` request, which needs the store."""
+    from vllm import envs
+
+    return bool(envs.VLLM_ENABLE_RESPONSES_API_STORE)

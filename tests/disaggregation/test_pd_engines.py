@@ -194,6 +194,17 @@ async def test_anthropic_messages_and_responses_are_prefilled_remotely_with_the_
     assert after.num_computed_prompt_tokens - before.num_computed_prompt_tokens == 0 and moved > BLOCK
 
 
+async def test_background_response_without_vllms_store_is_refused_before_any_prefill(cluster):
+    decode = cluster.decode[0]
+    decode.prefill_client = LocalPrefillClient(cluster.prefill, order=[0])
+    prefill_before = cluster.prefill[0].engine.stats().num_computed_prompt_tokens
+    body = json.dumps({**API_REQUESTS[Endpoint.RESPONSES], "background": True}).encode()
+    status, answer, prefill_id = await respond(decode, ApiRequest("background", Endpoint.RESPONSES, body))
+    # vLLM's own 400 (its response store is off by default), from the decode replica, with no prefill spent.
+    assert (status, prefill_id, answer["error"]["param"]) == (400, None, "background")
+    assert cluster.prefill[0].engine.stats().num_computed_prompt_tokens == prefill_before
+
+
 @pytest.mark.parametrize("how", ["stop_string", "abort"])
 async def test_early_end_frees_both_sides(cluster, how):
     decode = cluster.decode[1]

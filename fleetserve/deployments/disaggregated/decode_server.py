@@ -36,6 +36,7 @@ from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, Re
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import Engine, EngineRequestError
 from fleetserve.platform.kv_transfer import KVTransferSpec
+from fleetserve.platform.openai_app import responses_store_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -250,6 +251,11 @@ class DecodeServer(EngineServer):
             return False
         if request.endpoint is Endpoint.RESPONSES and any(
                 not isinstance(tool, dict) or tool.get("type") != "function" for tool in payload.get("tools") or []):
+            return False
+        # vLLM refuses a background request unless it stores the response and its store is on: refused here
+        # at once, rather than after a prefill whose KV would wait out its lease.
+        if request.endpoint is Endpoint.RESPONSES and payload.get("background") \
+                and not (payload.get("store", True) and responses_store_enabled()):
             return False
         if self.settings.min_prompt_tokens <= 1:
             return True
