@@ -347,7 +347,10 @@ def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec, m
         entry.setdefault("engine_args", {})["kv_cache_memory_bytes"] = plan.slice_usable_bytes - plan.weight_bytes
         resources = entry.setdefault("resources", {})
         resources.update({"num_gpus": 1})
-        resources.pop("cpu_binding", None)
+        # CPU core pins mean nothing to a GPU engine; a pool's own pins would outlive the model's otherwise.
+        pools = entry.get("disaggregation") or {}
+        for pins in (resources, pools.get("prefill") or {}, pools.get("decode") or {}):
+            pins.pop("cpu_binding", None)
         if mig:
             resources["custom_resources"] = {f"mig-{plan.slice}": 1}
         model = config.model(plan.model)

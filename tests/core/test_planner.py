@@ -166,8 +166,10 @@ def test_disaggregated_model_plans_both_pools_on_one_group(tmp_path):
     config = parse_config({"models": [
         {"name": "llama", "source": str(folder(tmp_path, "l", LLAMA_3_8B)),
          "engine_args": {"max_model_len": 4096, "max_num_seqs": 8},
-         "disaggregation": {"prefill": {"replicas": 1},
-                            "decode": {"replicas": 2, "autoscaling": {"min_replicas": 1, "max_replicas": 4}}}}]})
+         "resources": {"cpu_binding": ["0-3"]},
+         "disaggregation": {"prefill": {"replicas": 1, "cpu_binding": ["0"]},
+                            "decode": {"replicas": 2, "cpu_binding": ["1"],
+                                       "autoscaling": {"min_replicas": 1, "max_replicas": 4}}}}]})
     spec = gpu("h100-80gb")
     plans = plan_config(config, spec, True, PlanInputs())
     # 1 prefill + at most 4 decode replicas, each on its own 3g.40gb slice.
@@ -176,3 +178,12 @@ def test_disaggregated_model_plans_both_pools_on_one_group(tmp_path):
     # Starts with 1 prefill + 2 decode pods; grows to 5.
     assert values["workerGroups"] == {"disaggregated-3g-40gb": {
         "migProfile": "3g.40gb", "replicas": 3, "minReplicas": 0, "maxReplicas": 5, "cpu": "8", "memory": "32Gi"}}
+    # A CPU host's core pins, the model's and each pool's, do not travel to GPU nodes.
+    llama = values["platform"]["models"][0]
+    assert "cpu_binding" not in llama["resources"]
+    # (The values hold only what differs from the defaults: one prefill replica, autoscaling from 1 to 4.)
+    assert llama["disaggregation"]["prefill"] == {}
+    assert llama["disaggregation"]["decode"] == {"replicas": 2, "autoscaling": {}}
+    pools = parse_config(values["platform"]).model("llama").disaggregation
+    assert (pools.prefill.cpu_binding, pools.decode.cpu_binding) == (None, None)
+    assert (pools.decode.autoscaling.min_replicas, pools.decode.autoscaling.max_replicas) == (1, 4)
