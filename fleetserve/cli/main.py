@@ -238,7 +238,8 @@ def deploy(
     """Renders the chart's RayService and creates it, or patches it when it exists."""
     import yaml
 
-    from fleetserve.ops.kube import CHART, DeployError, apply_rayservice, merge_values, render_rayservice
+    from fleetserve.ops.kube import CHART, DeployError, apply_rayservice, check_placement, merge_values, \
+        render_rayservice
 
     layers = []
     for path in values:
@@ -250,7 +251,9 @@ def deploy(
     if config_path is not None:
         layers.append({"platform": _load(config_path).model_dump(mode="json", exclude_defaults=True)})
     try:
-        obj = render_rayservice(merge_values(*layers), name, namespace, chart or CHART)
+        merged = merge_values(*layers)
+        check_placement(merged)
+        obj = render_rayservice(merged, name, namespace, chart or CHART)
         if dry_run:
             typer.echo(yaml.safe_dump(obj, sort_keys=False))
             return

@@ -32,6 +32,32 @@ def merge_values(*layers: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def check_placement(values: dict[str, Any]) -> None:
+    """Refuses values whose models no pod could hold: a model pinned to a MIG slice (``resources.
+    custom_resources: {mig-<profile>: 1}``) with no worker group of that ``migProfile``, or one asking for a
+    GPU with no worker group at all (the head pod offers no GPU to Ray). KubeRay's autoscaler would never
+    find a node for them, and Serve would wait for their replicas forever.
+
+    Raises:
+        DeployError: naming each such model and what it asks for.
+    """
+    groups = values.get("workerGroups") or {}
+    profiles = {group.get("migProfile") for group in groups.values() if group.get("migProfile")}
+    problems = []
+    for model in (values.get("platform") or {}).get("models") or []:
+        resources = model.get("resources") or {}
+        slices = [key.removeprefix("mig-") for key in resources.get("custom_resources") or {} if key.startswith("mig-")]
+        missing = [profile for profile in slices if profile not in profiles]
+        if missing:
+            problems.append(f"model {model.get('name')} asks for a {', '.join(missing)} MIG slice, which no worker "
+                            f"group offers (migProfile: {', '.join(sorted(profiles)) or 'none'})")
+        elif (resources.get("num_gpus") or 0) > 0 and not groups:
+            problems.append(f"model {model.get('name')} asks for a GPU, and the values define no worker group")
+    if problems:
+        raise DeployError("; ".join(problems) + ". `fleetserve plan CONFIG --emit-values` writes worker groups "
+                          "for a config's models")
+
+
 def render_rayservice(values: dict[str, Any], name: str, namespace: str, chart: Path = CHART) -> dict[str, Any]:
     """The RayService object the chart renders for these values.
 

@@ -159,3 +159,34 @@ def test_deploy_reports_values_the_chart_rejects_without_calling_the_api(cluster
     assert result.exit_code == 1
     assert "value must be one of 'mixed', 'single', 'none'" in result.output
     assert calls == []
+
+
+@pytest.mark.parametrize(("resources", "groups", "message"), [
+    ({"num_gpus": 1, "custom_resources": {"mig-3g.40gb": 1}}, {"colocated-1g-10gb": {"migProfile": "1g.10gb"}},
+     "model m asks for a 3g.40gb MIG slice, which no worker group offers (migProfile: 1g.10gb)"),
+    ({"num_gpus": 1}, {}, "model m asks for a GPU, and the values define no worker group"),
+])
+def test_deploy_refuses_models_no_worker_group_can_hold(cluster, tmp_path, resources, groups, message):
+    _, calls, kubeconfig = cluster
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "platform": {"models": [{"name": "m", "source": "tiny-random-llama", "resources": resources}]},
+        "workerGroups": {name: {**group, "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "cpu": "4",
+                                "memory": "32Gi"} for name, group in groups.items()}}))
+    result = run("deploy", "-f", str(values), "--kubeconfig", kubeconfig)
+    assert result.exit_code == 1 and message in " ".join(result.output.split())
+    assert "fleetserve plan CONFIG --emit-values" in " ".join(result.output.split())
+    assert calls == []
+
+
+def test_deploy_accepts_a_model_on_a_slice_its_values_offer(cluster, tmp_path):
+    _, _, kubeconfig = cluster
+    values = tmp_path / "values.yaml"
+    values.write_text(yaml.safe_dump({
+        "platform": {"models": [{"name": "m", "source": "tiny-random-llama",
+                                 "resources": {"num_gpus": 1, "custom_resources": {"mig-1g.10gb": 1}}}]},
+        "workerGroups": {"colocated-1g-10gb": {"migProfile": "1g.10gb", "replicas": 1, "minReplicas": 0,
+                                               "maxReplicas": 1, "cpu": "4", "memory": "32Gi"}}}))
+    result = run("deploy", "-f", str(values), "--kubeconfig", kubeconfig, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "kind: RayService" in result.output
