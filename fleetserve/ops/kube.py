@@ -32,6 +32,17 @@ def merge_values(*layers: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _mig_slices(model: dict[str, Any]) -> list[str]:
+    """The MIG profiles a model's replicas ask Ray for (``mig-<profile>`` custom resources); a disaggregated
+    model's pools each take the model's custom resources unless they name their own."""
+    own = (model.get("resources") or {}).get("custom_resources") or {}
+    pools = model.get("disaggregation")
+    asked = [own] if pools is None else [
+        own if (pools.get(pool) or {}).get("custom_resources") is None else pools[pool]["custom_resources"]
+        for pool in ("prefill", "decode")]
+    return sorted({key.removeprefix("mig-") for each in asked for key in each if key.startswith("mig-")})
+
+
 def check_placement(values: dict[str, Any]) -> None:
     """Refuses values whose models no pod could hold: a model pinned to a MIG slice (``resources.
     custom_resources: {mig-<profile>: 1}``) with no worker group of that ``migProfile``, or one asking for a
@@ -46,8 +57,7 @@ def check_placement(values: dict[str, Any]) -> None:
     problems = []
     for model in (values.get("platform") or {}).get("models") or []:
         resources = model.get("resources") or {}
-        slices = [key.removeprefix("mig-") for key in resources.get("custom_resources") or {} if key.startswith("mig-")]
-        missing = [profile for profile in slices if profile not in profiles]
+        missing = [profile for profile in _mig_slices(model) if profile not in profiles]
         if missing:
             problems.append(f"model {model.get('name')} asks for a {', '.join(missing)} MIG slice, which no worker "
                             f"group offers (migProfile: {', '.join(sorted(profiles)) or 'none'})")

@@ -165,12 +165,18 @@ def test_deploy_reports_values_the_chart_rejects_without_calling_the_api(cluster
     ({"num_gpus": 1, "custom_resources": {"mig-3g.40gb": 1}}, {"colocated-1g-10gb": {"migProfile": "1g.10gb"}},
      "model m asks for a 3g.40gb MIG slice, which no worker group offers (migProfile: 1g.10gb)"),
     ({"num_gpus": 1}, {}, "model m asks for a GPU, and the values define no worker group"),
+    # A disaggregated pool's own slice counts too.
+    ({"num_gpus": 1, "custom_resources": {"mig-1g.10gb": 1}, "_decode": {"mig-2g.20gb": 1}},
+     {"colocated-1g-10gb": {"migProfile": "1g.10gb"}},
+     "model m asks for a 2g.20gb MIG slice, which no worker group offers (migProfile: 1g.10gb)"),
 ])
 def test_deploy_refuses_models_no_worker_group_can_hold(cluster, tmp_path, resources, groups, message):
     _, calls, kubeconfig = cluster
     values = tmp_path / "values.yaml"
+    decode = resources.pop("_decode", None)
+    pools = {"disaggregation": {"decode": {"custom_resources": decode}}} if decode else {}
     values.write_text(yaml.safe_dump({
-        "platform": {"models": [{"name": "m", "source": "tiny-random-llama", "resources": resources}]},
+        "platform": {"models": [{"name": "m", "source": "tiny-random-llama", "resources": resources, **pools}]},
         "workerGroups": {name: {**group, "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "cpu": "4",
                                 "memory": "32Gi"} for name, group in groups.items()}}))
     result = run("deploy", "-f", str(values), "--kubeconfig", kubeconfig)
@@ -182,9 +188,11 @@ def test_deploy_refuses_models_no_worker_group_can_hold(cluster, tmp_path, resou
 def test_deploy_accepts_a_model_on_a_slice_its_values_offer(cluster, tmp_path):
     _, _, kubeconfig = cluster
     values = tmp_path / "values.yaml"
+    # Both pools name their own slice, so the model's own (offered by no group) is asked for by no replica.
+    pools = {pool: {"custom_resources": {"mig-1g.10gb": 1}} for pool in ("prefill", "decode")}
     values.write_text(yaml.safe_dump({
-        "platform": {"models": [{"name": "m", "source": "tiny-random-llama",
-                                 "resources": {"num_gpus": 1, "custom_resources": {"mig-1g.10gb": 1}}}]},
+        "platform": {"models": [{"name": "m", "source": "tiny-random-llama", "disaggregation": pools,
+                                 "resources": {"num_gpus": 1, "custom_resources": {"mig-7g.80gb": 1}}}]},
         "workerGroups": {"colocated-1g-10gb": {"migProfile": "1g.10gb", "replicas": 1, "minReplicas": 0,
                                                "maxReplicas": 1, "cpu": "4", "memory": "32Gi"}}}))
     result = run("deploy", "-f", str(values), "--kubeconfig", kubeconfig, "--dry-run")
