@@ -37,47 +37,46 @@ def load_trace(spec: str, seed: int = 0, rate_scale: float = 1.0) -> list[TraceR
     return [TraceRequest(r.arrival_s / rate_scale, r.prompt_tokens, r.output_tokens) for r in requests]
 
 
-def _autoscaling(path: Path, profile: ReplicaProfile | None = None) -> AutoscalingConfig:
-    """An ``autoscaling:`` block from a file holding just the block, or the block under an ``autoscaling`` key.
-    A ``slo`` block without its own profile sizes the pool on ``profile``, the simulated replica's."""
-    data = _block(path)
-    if data.get("policy") == "slo" and "profile" not in data and profile is not None:
-        data = {**data, "profile": profile.model_dump()}
-    return parse_section(AutoscalingConfig, data, str(path))
-
-
 def _block(path: Path) -> dict[str, Any]:
+    """An ``autoscaling:`` block from a file holding just the block, or the block under an ``autoscaling`` key."""
     data = _yaml(path)
     return data["autoscaling"] if set(data) == {"autoscaling"} else data
 
 
-def _stated_slo(paths: list[Path]) -> tuple[Path, dict[str, Any]] | None:
-    """The first ``slo`` policy and its block: its SLOs and profile are what the simulation judges by and
-    simulates by default (a policy judged against targets, or run on a replica, other than those it was given
-    is not the comparison its author asked for)."""
-    for path in paths:
-        if (block := _block(path)).get("policy") == "slo":
-            _autoscaling(path, ReplicaProfile())  # its errors name the file and key before anything runs
-            return path, block
+def _autoscaling(block: dict[str, Any], path: Path, profile: ReplicaProfile) -> AutoscalingConfig:
+    """A policy's validated block; a ``slo`` block without its own profile sizes the pool on ``profile``, the
+    simulated replica's."""
+    if block.get("policy") == "slo" and "profile" not in block:
+        block = {**block, "profile": profile.model_dump()}
+    return parse_section(AutoscalingConfig, block, str(path))
+
+
+def _stated_slo(blocks: list[tuple[Path, dict[str, Any]]]) -> tuple[Path, AutoscalingConfig] | None:
+    """The first ``slo`` policy, validated (its profile None where its block names none): its SLOs and
+    profile are what the simulation judges by and simulates by default (a policy judged against targets, or
+    run on a replica, other than those it was given is not the comparison its author asked for)."""
+    for path, block in blocks:
+        if block.get("policy") == "slo":
+            config = _autoscaling(block, path, ReplicaProfile())
+            return path, config if "profile" in block else config.model_copy(update={"profile": None})
     return None
 
 
-def _replica_and_slo(stated: tuple[Path, dict[str, Any]] | None, profile: Path | None, slo_ttft: float | None,
+def _replica_and_slo(stated: tuple[Path, AutoscalingConfig] | None, profile: Path | None, slo_ttft: float | None,
                      slo_tpot: float | None) -> tuple[ReplicaProfile, SLO, str]:
     """The simulated replica and the SLOs: the options where given, else the first slo policy's, else the
     built-in ones; and a line saying which."""
-    block = stated[1] if stated else {}
+    path, config = stated if stated else (None, None)
     if profile is not None:
         replica, replica_from = parse_section(ReplicaProfile, _yaml(profile), str(profile)), str(profile)
-    elif "profile" in block:
-        replica = parse_section(ReplicaProfile, block["profile"], f"{stated[0]}: profile")
-        replica_from = f"{stated[0].name}'s profile"
+    elif config is not None and config.profile is not None:
+        replica, replica_from = config.profile, f"{path.name}'s profile"
     else:
         replica, replica_from = ReplicaProfile(), "the built-in profile"
-    slo = SLO(float(slo_ttft if slo_ttft is not None else block.get("ttft_p99_s", SLO.ttft_s)),
-              float(slo_tpot if slo_tpot is not None else block.get("tpot_p99_s", SLO.tpot_s)))
+    slo = SLO(slo_ttft if slo_ttft is not None else config.ttft_p99_s if config else SLO.ttft_s,
+              slo_tpot if slo_tpot is not None else config.tpot_p99_s if config else SLO.tpot_s)
     options = [name for name, value in (("--slo-ttft", slo_ttft), ("--slo-tpot", slo_tpot)) if value is not None]
-    slo_from = " and ".join(options if len(options) == 2 else [stated[0].name if stated else "the defaults", *options])
+    slo_from = " and ".join(options if len(options) == 2 else [path.name if path else "the defaults", *options])
     return replica, slo, f"replicas simulated with {replica_from}; SLOs TTFT {slo.ttft_s:g} s, TPOT " \
                          f"{slo.tpot_s:g} s (from {slo_from})"
 
@@ -191,16 +190,16 @@ def simulate_command(
         raise fail(str(error)) from None
     if not requests:
         raise fail(f"trace {trace} has no requests")
-    paths = [policy, *(compare or [])]
+    blocks = [(path, _block(path)) for path in [policy, *(compare or [])]]
     try:
-        replica, slo, judged_by = _replica_and_slo(_stated_slo(paths), profile, slo_ttft, slo_tpot)
+        replica, slo, judged_by = _replica_and_slo(_stated_slo(blocks), profile, slo_ttft, slo_tpot)
     except ConfigError as error:
         raise fail(str(error)) from None
     console.print(judged_by)
     results = []
-    for path in paths:
+    for path, block in blocks:
         try:
-            config = _autoscaling(path, replica)
+            config = _autoscaling(block, path, replica)
             _warn_mismatch(path, config, replica, slo)
             policy_object = make_policy(config)
             console.print(f"simulating {path.stem} on {len(requests)} requests ...")

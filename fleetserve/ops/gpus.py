@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GB = 10**9
+# Ray custom resources a worker group with a MIG profile advertises ("mig-3g.40gb": 1, the chart's
+# rayStartParams), and a model pinned to that slice asks for.
+RAY_MIG_RESOURCE_PREFIX = "mig-"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,8 @@ from typing import Any
 
 import yaml
 
+from fleetserve.ops.gpus import RAY_MIG_RESOURCE_PREFIX
+
 CHART = Path(__file__).resolve().parents[2] / "helm" / "fleetserve"
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayservices"
 
@@ -40,7 +42,8 @@ def _mig_slices(model: dict[str, Any]) -> list[str]:
     asked = [own] if pools is None else [
         own if (pools.get(pool) or {}).get("custom_resources") is None else pools[pool]["custom_resources"]
         for pool in ("prefill", "decode")]
-    return sorted({key.removeprefix("mig-") for each in asked for key in each if key.startswith("mig-")})
+    return sorted({key.removeprefix(RAY_MIG_RESOURCE_PREFIX) for each in asked for key in each
+                   if key.startswith(RAY_MIG_RESOURCE_PREFIX)})
 
 
 def check_placement(values: dict[str, Any]) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from fleetserve.platform.config import ModelConfig, PlatformConfig
-from fleetserve.ops.gpus import GpuSpec, MigProfile
+from fleetserve.ops.gpus import RAY_MIG_RESOURCE_PREFIX, GpuSpec, MigProfile
 
 GiB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1, "int8": 1}
@@ -352,7 +352,7 @@ def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec, m
         for pins in (resources, pools.get("prefill") or {}, pools.get("decode") or {}):
             pins.pop("cpu_binding", None)
         if mig:
-            resources["custom_resources"] = {f"mig-{plan.slice}": 1}
+            resources["custom_resources"] = {f"{RAY_MIG_RESOURCE_PREFIX}{plan.slice}": 1}
         model = config.model(plan.model)
         # Both pools of a disaggregated model share its slice size, so they share one worker group: Ray
         # places prefill and decode replicas on any pod offering the slice's resource.

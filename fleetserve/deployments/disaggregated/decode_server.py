@@ -242,20 +242,10 @@ class DecodeServer(EngineServer):
         return int(json.loads(tokens).get("count", 0))
 
     async def _prefills_remotely(self, request: ApiRequest, payload: dict[str, Any]) -> bool:
-        # Several samples, prompt logprobs and echo need the prompt computed here. A Responses request that
-        # continues a stored response or conversation renders its prompt from this replica's store, which the
-        # prefill replica does not have; one with built-in tools may generate several turns on one request,
-        # and each turn would pull the first one's KV again.
-        if (payload.get("n") or 1) > 1 or payload.get("echo") or payload.get("prompt_logprobs") is not None \
-                or payload.get("previous_response_id") or payload.get("conversation"):
+        # Several samples, prompt logprobs and echo need the prompt computed here.
+        if (payload.get("n") or 1) > 1 or payload.get("echo") or payload.get("prompt_logprobs") is not None:
             return False
-        if request.endpoint is Endpoint.RESPONSES and any(
-                not isinstance(tool, dict) or tool.get("type") != "function" for tool in payload.get("tools") or []):
-            return False
-        # vLLM refuses a background request unless it stores the response and its store is on: refused here
-        # at once, rather than after a prefill whose KV would wait out its lease.
-        if request.endpoint is Endpoint.RESPONSES and payload.get("background") \
-                and not (payload.get("store", True) and responses_store_enabled()):
+        if request.endpoint is Endpoint.RESPONSES and not _response_prefills_remotely(payload):
             return False
         if self.settings.min_prompt_tokens <= 1:
             return True
@@ -302,6 +292,19 @@ class DecodeServer(EngineServer):
         body = json.dumps({**payload, "kv_transfer_params": prefill.kv_transfer_params}).encode()
         async for chunk in self._run(request, body, started_at, prefill.replica_id):
             yield chunk
+
+
+def _response_prefills_remotely(payload: dict[str, Any]) -> bool:
+    """Whether a Responses request may be prefilled on another replica. Not when it continues a stored
+    response or conversation (the store is this replica's, not the prefill replica's); not with built-in
+    tools (several turns on one request would each pull the first turn's KV again); not in the background
+    unless it is stored and vLLM's store is on (else vLLM refuses it: at once here, rather than after a prefill
+    whose KV would wait out its lease)."""
+    if payload.get("previous_response_id") or payload.get("conversation"):
+        return False
+    if any(not isinstance(tool, dict) or tool.get("type") != "function" for tool in payload.get("tools") or []):
+        return False
+    return not payload.get("background") or bool(payload.get("store", True) and responses_store_enabled())
 
 
 _TOKENIZE_KEYS = ("model", "messages", "prompt", "tools", "chat_template", "chat_template_kwargs",
