@@ -150,6 +150,18 @@ def apply(
                   f"{', '.join(model.name for model in config.models)}")
 
 
+def _status_refusal(error, api_key: str | None) -> str:
+    """What a refused /metrics scrape means to whoever ran ``fleetserve status``."""
+    code = error.response.status_code
+    if code == 401 and not api_key:
+        return "401: auth is on; pass an admin key with --api-key or $FLEETSERVE_API_KEY"
+    if code == 401:
+        return "401: the key given is not one of the platform's"
+    if code == 403:
+        return "403: the key given is not an admin key, and /metrics needs one"
+    return f"{code}: {error.response.text[:200]}"
+
+
 @app.command()
 def status(
     url: Annotated[str, typer.Option(help="The platform's base URL.")] = "http://127.0.0.1:8000",
@@ -160,6 +172,8 @@ def status(
     namespace: Annotated[str, typer.Option(help="Namespace (with --k8s).")] = "default",
     kubeconfig: Annotated[Optional[str], typer.Option(help="Kubeconfig file (with --k8s; default ~/.kube/config).")] = None,
     context: Annotated[Optional[str], typer.Option(help="Kubeconfig context (with --k8s).")] = None,
+    api_key: Annotated[Optional[str], typer.Option(envvar="FLEETSERVE_API_KEY", show_default=False,
+                                                   help="An admin key, when auth is on (/metrics needs one).")] = None,
 ) -> None:
     """A live view of models, replicas, KV usage, queues and tokens/s (Ctrl-C to quit); --k8s: the RayService."""
     import time
@@ -175,11 +189,15 @@ def status(
     from fleetserve.ops.status import fetch, status_table
 
     out = RichConsole()
-    with httpx.Client() as client:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    with httpx.Client(headers=headers) as client:
         try:
             before = fetch(url, client, time.monotonic())
             time.sleep(interval)
             after = fetch(url, client, time.monotonic())
+        except httpx.HTTPStatusError as error:
+            console.print(f"[red]error:[/] cannot read {url.rstrip('/')}/metrics: {_status_refusal(error, api_key)}")
+            raise typer.Exit(1) from None
         except httpx.HTTPError as error:
             console.print(f"[red]error:[/] cannot read {url.rstrip('/')}/metrics: {type(error).__name__}: {error}")
             raise typer.Exit(1) from None

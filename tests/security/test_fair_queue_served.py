@@ -6,6 +6,9 @@ in flight or running afterwards. The gate's arithmetic is tested exactly on a fa
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
@@ -62,3 +65,19 @@ async def test_every_tenant_completes_on_a_priority_engine_with_a_reserved_slot(
     assert [value for labels, value in in_flight if labels["model"] == MODEL] == [0.0]
     gauges = wait_all_idle(fair, MODEL, num_replicas=1, headers={"Authorization": f"Bearer {KEYS['ops']}"})
     assert list(gauges.values()) == [{"running": 0.0, "waiting": 0.0, "kv": 0.0}]
+
+
+def run_status(url: str, key: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fleetserve.cli", "status", "--url", url, "--once", "--interval", "0.2"],
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "COLUMNS": "200", "FLEETSERVE_API_KEY": key})
+
+
+def test_status_reads_an_auth_platform_with_an_admin_key_only(fair):
+    shown = run_status(fair, KEYS["ops"])
+    assert shown.returncode == 0, shown.stderr
+    assert f"{MODEL}: 1 replica" in shown.stdout
+    no_key = run_status(fair, "")
+    assert no_key.returncode == 1 and "401: auth is on; pass an admin key" in no_key.stderr
+    not_admin = run_status(fair, KEYS["light"])
+    assert not_admin.returncode == 1 and "403: the key given is not an admin key" in not_admin.stderr
