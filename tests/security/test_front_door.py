@@ -94,6 +94,33 @@ def test_one_tenants_burst_is_limited_while_another_keeps_going(endpoint):
     assert [complete(endpoint, "beta").choices[0].text for _ in range(5)] == ["w0 w1"] * 5
 
 
+def test_rate_limit_headers_report_both_budgets_after_each_charge():
+    now = [0.0]
+    limiter = RateLimiter({"t": TenantConfig(requests_per_minute=6, tokens_per_minute=1_000_000),
+                           "free": TenantConfig()}, clock=lambda: now[0])
+    limiter.admit("t", 250_000)
+    now[0] = 1.5
+    # Requests: 5 left + 1.5 s x 6/60 = 5.15, full in 0.85 / 0.1 = 8.5 s. Tokens: 750,000 + 1.5 x 16,666.67 =
+    # 775,000, full in 225,000 / 16,666.67 = 13.5 s.
+    assert limiter.headers("t") == {
+        "x-ratelimit-limit-requests": "6", "x-ratelimit-remaining-requests": "5", "x-ratelimit-reset-requests": "8.5s",
+        "x-ratelimit-limit-tokens": "1000000", "x-ratelimit-remaining-tokens": "775000",
+        "x-ratelimit-reset-tokens": "13.5s"}
+    assert limiter.headers("free") == {}  # no limits, nothing to report
+
+
+def test_responses_carry_the_tenants_rate_limit_headers(endpoint):
+    reply = client(endpoint, "alpha").completions.with_raw_response.create(model="small", prompt="a b c",
+                                                                           max_tokens=2)
+    # alpha: 3 requests a minute, one spent; it refills at 3/60 a second, so the bucket is full in ~20 s.
+    assert reply.headers["x-ratelimit-limit-requests"] == "3"
+    assert reply.headers["x-ratelimit-remaining-requests"] == "2"
+    assert 19.0 <= float(reply.headers["x-ratelimit-reset-requests"].removesuffix("s")) <= 20.0
+    assert "x-ratelimit-limit-tokens" not in reply.headers  # alpha has no token budget
+    beta = client(endpoint, "beta").completions.with_raw_response.create(model="small", prompt="a", max_tokens=2)
+    assert not [name for name in beta.headers if name.startswith("x-ratelimit")]
+
+
 def test_token_bucket_arithmetic():
     bucket = TokenBucket(capacity=60, rate_per_s=1.0, now=0.0)
     assert bucket.wait_for(60, now=0.0) == 0.0
@@ -109,8 +136,10 @@ def test_tokens_per_minute_charge_prompt_and_budget_and_refuse_nothing_twice():
     limiter.admit("t", 100)
     with pytest.raises(Exception) as raised:
         limiter.admit("t", 30)
-    # 20 left; 30 needs 10 more at 2 tokens/s: 5 s.
-    assert raised.value.status_code == 429 and raised.value.headers == {"Retry-After": "5"}
+    # 20 left; 30 needs 10 more at 2 tokens/s: 5 s. Full again after (120 - 20) / 2 = 50 s.
+    assert raised.value.status_code == 429
+    assert raised.value.headers == {"Retry-After": "5", "x-ratelimit-limit-tokens": "120",
+                                    "x-ratelimit-remaining-tokens": "20", "x-ratelimit-reset-tokens": "50s"}
     now[0] = 5.0
     limiter.admit("t", 30)  # a refused request charged nothing, so this one fits exactly
     with pytest.raises(Exception, match="more than tenant 't'"):
@@ -161,5 +190,11 @@ def test_each_of_n_ingress_replicas_enforces_an_equal_part_of_a_budget():
         limiter.admit("t", 0)
     with pytest.raises(Exception, match=r"limit 10, 5 at each of 2 ingress replicas") as raised:
         limiter.admit("t", 0)
-    # One request refills in 60 / 5 = 12 s.
-    assert raised.value.headers == {"Retry-After": "12"}
+    # One request refills in 60 / 5 = 12 s; the whole part of 5 in 60 s. The headers speak for the tenant's
+    # whole budget: its limit of 10, and this part's 0 left, scaled.
+    assert raised.value.headers == {"Retry-After": "12", "x-ratelimit-limit-requests": "10",
+                                    "x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "1m0s"}
+    now[0] = 30.0
+    # 30 s refill 30 x 5/60 = 2.5 of this part: 2.5 x 2 = 5 of the tenant's 10 left; the rest refills in 30 s.
+    assert limiter.headers("t") == {"x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "5",
+                                    "x-ratelimit-reset-requests": "30s"}

@@ -149,8 +149,9 @@ class RateLimiter:
 
     def _limit_text(self, bucket: TokenBucket) -> str:
         if self.num_parts == 1:
-            return f"{bucket.capacity:g}"
-        return f"{bucket.capacity * self.num_parts:g}, {bucket.capacity:g} at each of {self.num_parts} ingress replicas"
+            return number_text(bucket.capacity)
+        return (f"{number_text(bucket.capacity * self.num_parts)}, {number_text(bucket.capacity)} at each of "
+                f"{self.num_parts} ingress replicas")
 
     def refund(self, tenant: str, num_tokens: int) -> None:
         """Gives back what ``admit`` charged, for a request the platform then refused or failed."""
@@ -166,7 +167,8 @@ class RateLimiter:
         """Charges one request and ``num_tokens`` to the tenant, or charges nothing and raises.
 
         Raises:
-            APIError: 429 with a ``Retry-After`` header when either budget is short.
+            APIError: 429 with a ``Retry-After`` header when either budget is short (and OpenAI's
+                ``x-ratelimit-*`` headers).
         """
         spec = self.tenants.get(tenant)
         if spec is None:
@@ -178,17 +180,52 @@ class RateLimiter:
         for bucket, amount, kind in charges:
             wait = bucket.wait_for(amount, now)
             if math.isinf(wait):
-                raise APIError(f"This request needs {amount} tokens, more than tenant {tenant!r}'s "
-                               f"{self._limit_text(bucket)} tokens per minute; lower max_tokens or the prompt.",
-                               429, "rate_limit_error", code="rate_limit_exceeded")
+                error = APIError(f"This request needs {amount} tokens, more than tenant {tenant!r}'s "
+                                 f"{self._limit_text(bucket)} tokens per minute; lower max_tokens or the prompt.",
+                                 429, "rate_limit_error", code="rate_limit_exceeded")
+                error.headers = self.headers(tenant)
+                raise error
             if wait > 0:
                 error = APIError(f"Rate limit reached for tenant {tenant!r} on {kind} per minute "
                                  f"(limit {self._limit_text(bucket)}). Retry after {math.ceil(wait)} s.",
                                  429, "rate_limit_error", code="rate_limit_exceeded")
-                error.headers = {"Retry-After": str(max(1, math.ceil(wait)))}
+                error.headers = {"Retry-After": str(max(1, math.ceil(wait))), **self.headers(tenant)}
                 raise error
         for bucket, amount, _ in charges:
             bucket.take(amount)
+
+    def headers(self, tenant: str) -> dict[str, str]:
+        """OpenAI's ``x-ratelimit-*`` headers for the tenant's budgets now: the per-minute limit, what is left
+        and how long until the bucket is full again. With several ingress replicas each holds an equal part,
+        and what is left is this replica's part scaled to the whole (exact when requests spread evenly)."""
+        spec = self.tenants.get(tenant)
+        if spec is None:
+            return {}
+        now = self.clock()
+        headers = {}
+        for kind, limit in (("requests", spec.requests_per_minute), ("tokens", spec.tokens_per_minute)):
+            if limit is None:
+                continue
+            bucket = self._bucket(tenant, kind, limit)
+            bucket.wait_for(0, now)  # refills it to now
+            headers[f"x-ratelimit-limit-{kind}"] = number_text(limit)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.level * self.num_parts)))
+            headers[f"x-ratelimit-reset-{kind}"] = duration_text((bucket.capacity - bucket.level) / bucket.rate_per_s)
+        return headers
+
+
+def number_text(value: float) -> str:
+    """A limit as people write it: 1000000, not 1e+06; 12.5 stays 12.5."""
+    return f"{value:.12g}" if value < 1e12 else f"{value:.0f}"
+
+
+def duration_text(seconds: float) -> str:
+    """Seconds as OpenAI writes a rate limit's reset: ``20ms``, ``1.5s``, ``6m0s``."""
+    millis = max(0, math.ceil(seconds * 1000 - 1e-6))
+    if millis < 1000:
+        return f"{millis}ms"
+    minutes, rest = divmod(millis, 60_000)
+    return f"{minutes}m{rest / 1000:g}s" if minutes else f"{rest / 1000:g}s"
 
 
 def estimated_prompt_tokens(prompt_text: str) -> int:

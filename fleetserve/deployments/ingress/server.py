@@ -286,6 +286,8 @@ class OpenAIIngress:
                 raise
             if response.status_code >= 400:
                 self._refund(charge)  # refused by the engine (e.g. past the context) or failed: no work done
+            if charge is not None:
+                response.headers.update(self.front_door.limiter.headers(charge[0]))
             return response
 
         return handler
