@@ -81,3 +81,11 @@ def test_status_reads_an_auth_platform_with_an_admin_key_only(fair):
     assert no_key.returncode == 1 and "401: auth is on; pass an admin key" in no_key.stderr
     not_admin = run_status(fair, KEYS["light"])
     assert not_admin.returncode == 1 and "403: the key given is not an admin key" in not_admin.stderr
+
+
+def test_anthropic_sdk_calls_messages_with_its_own_key_header(fair):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=fair, api_key=KEYS["light"], max_retries=0)
+    reply = client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "hello"}])
+    assert reply.usage.output_tokens == 4 and reply.stop_reason == "max_tokens"

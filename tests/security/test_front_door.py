@@ -198,3 +198,20 @@ def test_each_of_n_ingress_replicas_enforces_an_equal_part_of_a_budget():
     # 30 s refill 30 x 5/60 = 2.5 of this part: 2.5 x 2 = 5 of the tenant's 10 left; the rest refills in 30 s.
     assert limiter.headers("t") == {"x-ratelimit-limit-requests": "10", "x-ratelimit-remaining-requests": "5",
                                     "x-ratelimit-reset-requests": "30s"}
+
+
+
+def test_a_key_in_x_api_key_is_checked_as_a_bearer_key(endpoint):
+    body = {"model": "small", "prompt": "a b c", "max_tokens": 2}
+    reply = httpx.post(f"{endpoint}/v1/completions", headers={"x-api-key": KEYS["beta"]}, json=body)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["text"] == "w0 w1"
+    wrong = httpx.post(f"{endpoint}/v1/completions", headers={"x-api-key": "sk-not-a-key"}, json=body)
+    assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
+    # The same key's permissions: alpha may not use `large`, whichever header carries its key.
+    denied = httpx.post(f"{endpoint}/v1/completions", headers={"x-api-key": KEYS["alpha"]},
+                        json={**body, "model": "large"})
+    assert denied.status_code == 403 and denied.json()["error"]["code"] == "model_not_allowed"
+    # Authorization wins when both are sent: a wrong bearer key is not rescued by a right x-api-key.
+    both = httpx.post(f"{endpoint}/v1/completions", json=body,
+                      headers={"Authorization": "Bearer sk-not-a-key", "x-api-key": KEYS["beta"]})
+    assert both.status_code == 401

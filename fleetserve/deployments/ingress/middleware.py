@@ -26,7 +26,8 @@ class FrontDoorMiddleware:
 
     Args:
         app: the app to wrap.
-        authenticate: the caller's principal from the request's Authorization header (raises APIError 401),
+        authenticate: the caller's principal from the request's Authorization header, else its x-api-key
+            header as Anthropic's SDKs send it (raises APIError 401),
             or None when auth is off; it is stored as ``request.state.principal``.
         open_paths: path suffixes served without a key.
         max_body_bytes: the body-size limit in bytes, read per request.
@@ -62,6 +63,9 @@ class FrontDoorMiddleware:
         headers = dict(scope["headers"])
         if self.authenticate is not None and not scope["path"].endswith(self.open_paths):
             authorization = headers.get(b"authorization")
+            if authorization is None and headers.get(b"x-api-key"):
+                # How Anthropic's SDKs send a key (for /v1/messages): the same key, the same checks.
+                authorization = b"Bearer " + headers[b"x-api-key"]
             principal = self.authenticate(authorization.decode("latin-1") if authorization is not None else None)
             scope.setdefault("state", {})["principal"] = principal
         length = headers.get(b"content-length")

@@ -84,7 +84,7 @@ class KeyStore:
             APIError: 401 for a missing, malformed or unknown key.
         """
         if not authorization:
-            raise _unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.")
+            raise _unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise _unauthorized("Malformed Authorization header; expected 'Bearer <key>'.")
