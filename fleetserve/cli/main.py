@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from fleetserve.platform.config import ConfigError, PlatformConfig, default_config, load_config
 from fleetserve.cli.autoscale import autoscale_app
@@ -50,7 +51,7 @@ def serve(
     port = port or config.server.port
 
     from fleetserve.deployments.builders import build_app
-    from fleetserve.deployments.local_run import ClusterError, start_ray
+    from fleetserve.deployments.local_run import ClusterError, DeployError, start_ray
     from fleetserve.deployments.placement import PlacementError
     from fleetserve.deployments.serve_options import HAPROXY_PORT_ENV, local_cluster_runtime_env, serve_runtime_env
     from fleetserve.platform.model_store import ModelSourceError
@@ -86,8 +87,8 @@ def serve(
             while not stop.wait(0.5):
                 pass
             console.print("stopping...")
-    except (ClusterError, PlacementError) as error:
-        console.print(f"[red]error:[/] {error}")
+    except (ClusterError, PlacementError, DeployError) as error:
+        console.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(2 if isinstance(error, PlacementError) else 1) from None
     finally:
         remove_orphaned_segments()
@@ -121,7 +122,7 @@ def apply(
     config = _load(config_path)
 
     from fleetserve.deployments.apply import apply_config, plan_change
-    from fleetserve.deployments.local_run import ClusterError, join_cluster
+    from fleetserve.deployments.local_run import ClusterError, DeployError, join_cluster
     from fleetserve.deployments.placement import PlacementError
 
     try:
@@ -144,8 +145,12 @@ def apply(
     if dry_run:
         return
     started = time.monotonic()
-    with console.status("applying (new engines take ~30-90 s to start on CPU)"):
-        apply_config(config)
+    try:
+        with console.status("applying (new engines take ~30-90 s to start on CPU)"):
+            apply_config(config)
+    except DeployError as error:
+        console.print(f"[red]error:[/] {escape(str(error))}")
+        raise typer.Exit(1) from None
     console.print(f"[bold green]applied[/] in {time.monotonic() - started:.0f} s: the platform serves "
                   f"{', '.join(model.name for model in config.models)}")
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from ray import serve
 
 from fleetserve.deployments.builders import build_app
-from fleetserve.deployments.local_run import APP_NAME
+from fleetserve.deployments.local_run import APP_NAME, run_application
 from fleetserve.platform.config import ConfigError, PlatformConfig
 from fleetserve.platform.config.diff import ConfigChange, diff_configs
 
@@ -47,7 +47,8 @@ def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix:
 
     Raises:
         ConfigError: as ``plan_change``.
+        DeployError: a deployment failed to start, with its replicas' own error.
     """
     change = plan_change(config, app_name)
-    serve.run(build_app(config), name=app_name, route_prefix=route_prefix)
+    run_application(build_app(config), app_name, route_prefix)
     return change

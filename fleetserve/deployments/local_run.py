@@ -3,6 +3,7 @@ a running cluster joined as a driver (``fleetserve serve --address``, ``fleetser
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -17,8 +18,57 @@ from ray.serve.exceptions import RayServeException
 APP_NAME = "fleetserve"
 
 
+# Lines of a failed replica's traceback kept in a DeployError: the exception and its message.
+MAX_CAUSE_LINES = 8
+# A traceback line that starts an exception's message ("ValueError: ...", "pydantic_core...ValidationError: ...").
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:")
+
+
 class ClusterError(RuntimeError):
     """No Ray cluster to join; the message says where it looked."""
+
+
+class DeployError(RuntimeError):
+    """The application's deployments did not start; the message names each failed one and why."""
+
+
+def failure_cause(message: str) -> str:
+    """The last exception in a Serve deployment's status message (which ends with the failed replica's whole
+    traceback): its line and the lines after it, at most MAX_CAUSE_LINES."""
+    lines = [line.rstrip() for line in message.splitlines() if line.strip()]
+    starts = [index for index, line in enumerate(lines) if _EXCEPTION_LINE.match(line.strip())]
+    if not starts:
+        return "\n".join(lines[-MAX_CAUSE_LINES:])
+    return "\n".join(line.strip() for line in lines[starts[-1]:starts[-1] + MAX_CAUSE_LINES])
+
+
+def deploy_failures(app_name: str = APP_NAME) -> list[str]:
+    """Each deployment of ``app_name`` that failed to start, as ``"<deployment>: <cause>"``."""
+    try:
+        application = serve.status().applications.get(app_name)
+    except RayServeException:
+        return []
+    if application is None:
+        return []
+    return [f"{name}: {failure_cause(deployment.message)}"
+            for name, deployment in application.deployments.items()
+            if deployment.status in ("DEPLOY_FAILED", "UNHEALTHY") and deployment.message]
+
+
+def run_application(application: Application, app_name: str = APP_NAME, route_prefix: str = "/") -> None:
+    """``serve.run``, returning once every deployment runs.
+
+    Raises:
+        DeployError: a deployment failed to start (say, an engine replica's constructor raised); the message
+            carries each failed deployment's own error, which Serve reports only as "Failed to update".
+    """
+    try:
+        serve.run(application, name=app_name, route_prefix=route_prefix)
+    except RuntimeError as error:
+        failures = deploy_failures(app_name)
+        if not failures:
+            raise
+        raise DeployError(f"{app_name} did not start:\n" + "\n".join(failures)) from error
 
 
 def join_cluster(address: str = "auto", verbose: bool = False) -> None:
@@ -48,7 +98,7 @@ class RaySession:
         application at ``/``; returns once every deployment is running."""
         serve.start(http_options={"host": host, "port": port}, proxy_location=proxy_location)
         self.deployed = True
-        serve.run(application, name=APP_NAME, route_prefix="/")
+        run_application(application)
 
 
 def _serves_platform() -> bool:
