@@ -32,7 +32,9 @@ def cpu_bindings_per_deployment(config: PlatformConfig, num_cores: int | None = 
     num_cores = num_cores or len(os.sched_getaffinity(0))
     pools = [model.pool_model(pool) for model in config.models for pool in model.pools()]
     auto = [pool for pool in pools if pool.resources.cpu_binding is None and not pool.resources.num_gpus]
-    plan = iter(plan_cpu_binding(sum(pool.replicas for pool in auto), num_cores))
+    # Each tensor-parallel rank is a worker of its own: it gets a share of the cores as an engine would.
+    plan = iter(plan_cpu_binding(sum(pool.replicas * pool.engine_args.tensor_parallel_size for pool in auto),
+                                 num_cores))
     bindings: dict[str, list[str] | None] = {}
     for pool in pools:
         if pool.resources.num_gpus:
@@ -40,7 +42,9 @@ def cpu_bindings_per_deployment(config: PlatformConfig, num_cores: int | None = 
         elif pool.resources.cpu_binding is not None:
             bindings[deployment_name(pool)] = pool.resources.cpu_binding
         else:
-            bindings[deployment_name(pool)] = [next(plan) for _ in range(pool.replicas)]
+            num_ranks = pool.engine_args.tensor_parallel_size
+            bindings[deployment_name(pool)] = ["|".join(next(plan) for _ in range(num_ranks))
+                                               for _ in range(pool.replicas)]
     return bindings
 
 

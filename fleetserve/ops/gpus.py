@@ -11,9 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GB = 10**9
-# Ray custom resources a worker group with a MIG profile advertises ("mig-3g.40gb": 1, the chart's
-# rayStartParams), and a model pinned to that slice asks for.
-RAY_MIG_RESOURCE_PREFIX = "mig-"
+from fleetserve.platform.config import RAY_MIG_RESOURCE_PREFIX  # noqa: F401 - the ops modules' name for it
 
 
 @dataclass(frozen=True)

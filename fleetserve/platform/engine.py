@@ -181,7 +181,12 @@ class Engine:
             raise ConfigError(f"models[{model.name}].engine_args.extra: vLLM has no engine args {unknown}")
         if cpu_binding is not None:
             # Read by the worker process at spawn; must be set before the engine is built.
-            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cpu_binding
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = split_binding(cpu_binding,
+                                                                    model.engine_args.tensor_parallel_size)
+        if model.engine_args.tensor_parallel_size > 1:
+            # Every rank on this replica's node, on the GPUs Ray gave it: vLLM would otherwise pick its Ray
+            # executor inside a Ray actor and ask the cluster for GPUs outside the replica's own.
+            kwargs["distributed_executor_backend"] = "mp"
         if kv_transfer is not None:
             # Also read at spawn, by the connector inside the engine core and worker processes.
             os.environ.update(kv_transfer.env())
@@ -389,6 +394,38 @@ def scale_to_zero_defaults(model: ModelConfig, kwargs: dict[str, Any], on_cpu: b
         return kwargs
     logger.info("%s scales to zero on CPU: eager mode (set engine_args.extra.enforce_eager to choose)", model.name)
     return {**kwargs, "enforce_eager": True}
+
+
+def split_binding(binding: str, num_ranks: int) -> str:
+    """One engine's cores (``"0-3"``, ``"0,2"``) split into contiguous sets, one per tensor-parallel rank, in
+    vLLM's ``VLLM_CPU_OMP_THREADS_BIND`` form (``"0-1|2-3"``); ranks share cores when there are fewer cores.
+    A binding already split into ranks is kept."""
+    if num_ranks == 1 or "|" in binding:
+        return binding
+    cores = [core for part in binding.split(",") for core in _core_range(part)]
+    if len(cores) < num_ranks:
+        return "|".join(str(cores[rank % len(cores)]) for rank in range(num_ranks))
+    per_rank, extra = divmod(len(cores), num_ranks)
+    groups, start = [], 0
+    for rank in range(num_ranks):
+        end = start + per_rank + (1 if rank < extra else 0)
+        groups.append(_cores_text(cores[start:end]))
+        start = end
+    return "|".join(groups)
+
+
+def _cores_text(cores: list[int]) -> str:
+    """``[2, 3, 4]`` as ``"2-4"``, ``[5]`` as ``"5"``, ``[0, 2]`` as ``"0,2"``."""
+    if len(cores) == 1:
+        return str(cores[0])
+    if cores == list(range(cores[0], cores[-1] + 1)):
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+def _core_range(part: str) -> list[int]:
+    first, _, last = part.strip().partition("-")
+    return list(range(int(first), int(last or first) + 1))
 
 
 def plan_cpu_binding(num_engines: int, num_cores: int) -> list[str]:

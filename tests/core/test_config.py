@@ -119,3 +119,33 @@ def test_kv_event_routing_reaches_the_request_router():
                                        "routing": {"prefix_source": "kv_events"}}]})
     kwargs = deployment_options(config.models[0], config.server)["request_router_config"]["request_router_kwargs"]
     assert (kwargs["routing"]["policy"], kwargs["routing"]["prefix_source"]) == ("cache_aware", "kv_events")
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ({"engine_args": {"tensor_parallel_size": 2}, "resources": {"num_gpus": 1}},
+     "resources.num_gpus is 1, but engine_args.tensor_parallel_size 2 needs one GPU per rank: set num_gpus to 2"),
+    ({"engine_args": {"tensor_parallel_size": 2}, "resources": {"cpu_binding": ["0|1|2"]}},
+     "entry '0|1|2' binds 3 ranks"),
+    ({"engine_args": {"tensor_parallel_size": 2},
+      "disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}, "not supported for disaggregated"),
+    ({"engine_args": {"tensor_parallel_size": 2}, "resources": {"num_gpus": 2, "custom_resources": {"mig-3g.40gb": 1}}},
+     r"cannot run on MIG slices \(mig-3g.40gb\): tensor parallelism needs whole GPUs"),
+    ({"engine_args": {"extra": {"tensor_parallel_size": 2}}}, r"repeats typed keys \['tensor_parallel_size'\]"),
+    ({"engine_args": {"extra": {"pipeline_parallel_size": 2}}}, "a replica runs on one node"),
+    ({"engine_args": {"extra": {"distributed_executor_backend": "ray"}}}, "multiprocessing executor"),
+    ({"engine_args": {"tensor_parallel_size": 0}}, "greater than or equal to 1"),
+])
+def test_tensor_parallel_config_errors(model, expected):
+    with pytest.raises(ConfigError, match=expected):
+        parse_config({"models": [{"name": "m", "source": "x", **model}]})
+
+
+def test_tensor_parallel_replica_asks_for_a_gpu_per_rank():
+    config = parse_config({"models": [{"name": "m", "source": "x", "resources": {"num_gpus": 4},
+                                       "engine_args": {"tensor_parallel_size": 4}}]})
+    assert deployment_options(config.models[0], config.server)["ray_actor_options"]["num_gpus"] == 4
+    assert config.models[0].engine_kwargs()["tensor_parallel_size"] == 4
+    # One core set per rank, or one for the platform to split: both are accepted.
+    for binding in (["0-1|2-3"], ["0-3"]):
+        parse_config({"models": [{"name": "m", "source": "x", "resources": {"cpu_binding": binding},
+                                  "engine_args": {"tensor_parallel_size": 2}}]})

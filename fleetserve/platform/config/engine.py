@@ -8,6 +8,9 @@ from pydantic import Field
 
 from fleetserve.platform.config.base import MiB, Strict, WithExtra
 
+# Ray custom resources a worker group with a MIG profile advertises ("mig-3g.40gb": 1, the chart's
+# rayStartParams), and a model pinned to that slice asks for.
+RAY_MIG_RESOURCE_PREFIX = "mig-"
 # Engine args that shape the KV cache's layout: a decode engine can only read KV written the same way.
 KV_LAYOUT_ARGS = ("dtype", "block_size", "quantization", "max_model_len")
 
@@ -36,6 +39,9 @@ class EngineArgs(WithExtra):
     # Each chunk costs every process in front of the engine the same, whatever it holds, so 4 cuts their
     # per-token cost about 4x, at the price of tokens arriving in fours. A request may ask for more, not fewer.
     stream_interval: int | None = Field(default=None, ge=1)
+    # GPUs (or, on CPU, groups of cores) one replica shards the model over, all on one node: vLLM's
+    # multiprocessing executor runs one worker per rank, and the replica asks Ray for that many GPUs.
+    tensor_parallel_size: int = Field(default=1, ge=1)
     # vLLM's speculative decoding config, passed through as is.
     speculative_config: dict[str, Any] | None = None
     seed: int = 0

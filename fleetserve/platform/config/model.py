@@ -9,9 +9,17 @@ from pydantic import Field, PrivateAttr, ValidationError, model_validator
 from fleetserve.platform.config.autoscaling import AutoscalingConfig
 from fleetserve.platform.config.base import ModelName, Strict
 from fleetserve.platform.config.disaggregation import DisaggregationConfig, PoolConfig
-from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, ApiConfig, EngineArgs, Resources
+from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, RAY_MIG_RESOURCE_PREFIX, ApiConfig, EngineArgs, Resources
 from fleetserve.platform.config.lora import LoraConfig
 from fleetserve.platform.config.routing import RoutingConfig
+
+
+# Engine args a replica's shape depends on, which the platform owns, and why each is refused in ``extra``.
+PARALLELISM_OWNED = {
+    "distributed_executor_backend": "the platform runs a replica's ranks with vLLM's multiprocessing executor",
+    "pipeline_parallel_size": "a replica runs on one node; shard it with engine_args.tensor_parallel_size",
+    "data_parallel_size": "scale data-parallel with replicas (or autoscaling), which the platform routes between",
+}
 
 
 class ModelConfig(Strict):
@@ -71,6 +79,31 @@ class ModelConfig(Strict):
                              f"{sorted(set(self.engine_args.extra) & set(self.lora.engine_kwargs()))}")
         if self.name in self.adapter_names:
             raise ValueError(f"lora.adapters: {self.name!r} is the base model's own name")
+        return self
+
+    @model_validator(mode="after")
+    def _check_parallelism(self) -> ModelConfig:
+        num_ranks = self.engine_args.tensor_parallel_size
+        owned = sorted(set(self.engine_args.extra) & set(PARALLELISM_OWNED))
+        if owned:
+            raise ValueError(f"engine_args.extra: {owned}: {PARALLELISM_OWNED[owned[0]]}")
+        if num_ranks == 1:
+            return self
+        if self.resources.num_gpus and self.resources.num_gpus != num_ranks:
+            raise ValueError(f"resources.num_gpus is {self.resources.num_gpus:g}, but engine_args.tensor_parallel_size "
+                             f"{num_ranks} needs one GPU per rank: set num_gpus to {num_ranks}")
+        if self.disaggregation is not None:
+            raise ValueError("engine_args.tensor_parallel_size above 1 is not supported for disaggregated models yet")
+        slices = sorted(name for name in self.resources.custom_resources if name.startswith(RAY_MIG_RESOURCE_PREFIX))
+        if slices:
+            # No peer path between MIG instances for the ranks' all-reduces (docs/architecture.md).
+            raise ValueError(f"engine_args.tensor_parallel_size {num_ranks} cannot run on MIG slices "
+                             f"({', '.join(slices)}): tensor parallelism needs whole GPUs")
+        for binding in self.resources.cpu_binding or []:
+            if len(binding.split("|")) not in (1, num_ranks):
+                raise ValueError(f"resources.cpu_binding entry {binding!r} binds {len(binding.split('|'))} ranks; "
+                                 f"tensor_parallel_size {num_ranks} takes one core set per rank joined by '|' "
+                                 f"(e.g. '0-3|4-7'), or one set the platform splits between them")
         return self
 
     @property
