@@ -323,7 +323,7 @@ def plan(
         raise typer.Exit(2) from None
     out = Console(width=160)
     out.print(plan_table(plans, spec.name, inputs))
-    out.print(packing_table(assignments))
+    out.print(packing_table(assignments, mig))
     if json_out is not None:
         text = json.dumps(plan_json(plans, assignments, spec.name, mig, inputs), indent=2)
         typer.echo(text) if str(json_out) == "-" else json_out.write_text(text + "\n")

@@ -48,8 +48,9 @@ def _mig_slices(model: dict[str, Any]) -> list[str]:
 
 def check_placement(values: dict[str, Any]) -> None:
     """Refuses values whose models no pod could hold: a model pinned to a MIG slice (``resources.
-    custom_resources: {mig-<profile>: 1}``) with no worker group of that ``migProfile``, or one asking for a
-    GPU with no worker group at all (the head pod offers no GPU to Ray). KubeRay's autoscaler would never
+    custom_resources: {mig-<profile>: 1}``) with no worker group of that ``migProfile``, one asking for a
+    GPU with no worker group at all (the head pod offers no GPU to Ray), or one asking for more GPUs per
+    replica (tensor parallelism) than any group's pods hold. KubeRay's autoscaler would never
     find a node for them, and Serve would wait for their replicas forever.
 
     Raises:
@@ -57,15 +58,21 @@ def check_placement(values: dict[str, Any]) -> None:
     """
     groups = values.get("workerGroups") or {}
     profiles = {group.get("migProfile") for group in groups.values() if group.get("migProfile")}
+    # The most whole GPUs one pod of any group offers Ray (a tensor-parallel replica needs them on one pod).
+    most_gpus = max((group.get("numGpus") or 1 for group in groups.values() if not group.get("migProfile")), default=0)
     problems = []
     for model in (values.get("platform") or {}).get("models") or []:
         resources = model.get("resources") or {}
+        num_gpus = resources.get("num_gpus") or 0
         missing = [profile for profile in _mig_slices(model) if profile not in profiles]
         if missing:
             problems.append(f"model {model.get('name')} asks for a {', '.join(missing)} MIG slice, which no worker "
                             f"group offers (migProfile: {', '.join(sorted(profiles)) or 'none'})")
-        elif (resources.get("num_gpus") or 0) > 0 and not groups:
+        elif num_gpus > 0 and not groups:
             problems.append(f"model {model.get('name')} asks for a GPU, and the values define no worker group")
+        elif num_gpus > 1 and num_gpus > most_gpus:
+            problems.append(f"model {model.get('name')} asks for {num_gpus:g} GPUs per replica, and no worker group's "
+                            f"pods hold more than {most_gpus} whole GPUs (numGpus)")
     if problems:
         raise DeployError("; ".join(problems) + ". `fleetserve plan CONFIG --emit-values` writes worker groups "
                           "for a config's models")

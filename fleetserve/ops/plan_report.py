@@ -20,15 +20,22 @@ def plan_table(plans: list[ModelPlan], gpu_name: str, inputs: PlanInputs) -> Tab
         table.add_column(column, justify="left" if column in ("model", "slice") else "right")
     for plan in plans:
         table.add_row(plan.model, str(plan.replicas), f"{plan.num_params / 1e9:.2f} B", f"{plan.weight_bytes / GiB:.1f} GiB",
-                      f"{plan.kv_bytes_per_token / 1024:.0f} KiB", f"{plan.need_bytes / GiB:.1f} GiB", plan.slice,
+                      f"{plan.kv_bytes_per_token / 1024:.0f} KiB", f"{plan.need_bytes / GiB:.1f} GiB", slice_text(plan),
                       str(plan.max_concurrent_seqs),
                       f"{plan.single_stream_tokens_per_s:,.0f} / {plan.decode_tokens_per_s:,.0f}",
                       f"{plan.cold_start_s:.0f} s", f"${plan.cost_per_million_output_tokens:.3f}")
     return table
 
 
-def packing_table(assignments: list[GpuAssignment]) -> Table:
-    table = Table(title=f"{len(assignments)} GPU(s), valid MIG layouts only")
+def slice_text(plan: ModelPlan) -> str:
+    """Where one replica runs: a MIG profile, ``gpu``, or ``4 x gpu (TP 4)`` for a sharded one."""
+    if plan.tensor_parallel_size == 1:
+        return plan.slice
+    return f"{plan.tensor_parallel_size} x {plan.slice} (TP {plan.tensor_parallel_size})"
+
+
+def packing_table(assignments: list[GpuAssignment], mig: bool = True) -> Table:
+    table = Table(title=f"{len(assignments)} GPU(s)" + (", valid MIG layouts only" if mig else ", MIG off"))
     for column in ("GPU", "layout", "slots (profile: model)"):
         table.add_column(column)
     for index, gpu in enumerate(assignments):

@@ -33,6 +33,10 @@ _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8
                       "I32": 4, "I64": 8}
 
 
+# Tensor-parallel sizes the planner tries, fewest GPUs first: up to one 8-GPU node's NVLink domain.
+TENSOR_PARALLEL_SIZES = (2, 4, 8)
+
+
 class PlanError(ValueError):
     """A model that cannot be placed; the message says by how much it misses."""
 
@@ -50,6 +54,8 @@ class ModelShape:
     bytes_per_param: float
     # Bytes per KV element (the KV cache dtype).
     kv_dtype_bytes: int
+    # Attention heads: a tensor-parallel size must divide them.
+    num_heads: int = 1
 
     @property
     def weight_bytes(self) -> int:
@@ -58,6 +64,12 @@ class ModelShape:
     @property
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    def kv_bytes_per_token_per_rank(self, num_ranks: int) -> int:
+        """One rank's KV per token over ``num_ranks`` ranks: its share of the KV heads, and a whole head when
+        there are more ranks than KV heads (vLLM then copies each KV head to several ranks)."""
+        heads = max(1, self.num_kv_heads // num_ranks)
+        return 2 * self.num_layers * heads * self.head_dim * self.kv_dtype_bytes
 
 
 def params_from_config(config: dict[str, Any]) -> int:
@@ -136,6 +148,7 @@ def model_shape(name: str, folder: Path, dtype: str = "auto", quantization: str 
         return ModelShape(
             name=name, num_params=_safetensors_params(folder) or params_from_config(config),
             num_layers=config["num_hidden_layers"], num_kv_heads=config.get("num_key_value_heads", num_heads),
+            num_heads=num_heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             bytes_per_param=_bytes_per_param(config, dtype, quantization),
             kv_dtype_bytes=_dtype_bytes(config, dtype if kv_cache_dtype == "auto" else kv_cache_dtype))
@@ -208,38 +221,79 @@ class ModelPlan:
     decode_tokens_per_s: float
     cold_start_s: float
     cost_per_million_output_tokens: float
+    # GPUs one replica shards the model over (whole GPUs only); slice_usable_bytes is per GPU.
+    tensor_parallel_size: int = 1
+
+    @property
+    def kv_cache_bytes_per_gpu(self) -> int:
+        """What each GPU keeps for KV once its share of the weights is loaded (vLLM's kv_cache_memory_bytes)."""
+        return self.slice_usable_bytes - self.weight_bytes // self.tensor_parallel_size
 
 
-def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, replicas: int = 1) -> ModelPlan:
-    """Places one model on the smallest slice that holds its weights and target KV.
+def _per_rank_need(shape: ModelShape, inputs: PlanInputs, num_ranks: int) -> float:
+    """One rank's bytes: its share of the weights and of the target KV."""
+    return (shape.weight_bytes / num_ranks
+            + inputs.concurrency * inputs.context_len * shape.kv_bytes_per_token_per_rank(num_ranks))
+
+
+def _tensor_parallel_size(shape: ModelShape, whole_gpu: Slice, inputs: PlanInputs, at_least: int) -> int | None:
+    """The fewest GPUs of one node, ``at_least`` of them, a model shards over to fit (they must divide its
+    attention heads)."""
+    sizes = [at_least] + [ranks for ranks in TENSOR_PARALLEL_SIZES if ranks > at_least]
+    return next((ranks for ranks in sizes if ranks > 1 and shape.num_heads % ranks == 0
+                 and _per_rank_need(shape, inputs, ranks) <= whole_gpu.usable_bytes(inputs)), None)
+
+
+def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, replicas: int = 1,
+               min_tensor_parallel_size: int = 1) -> ModelPlan:
+    """Places one model on the smallest slice that holds its weights and target KV; without MIG, a model no
+    GPU holds is sharded over the fewest GPUs of one node that do (tensor parallelism).
+
+    Args:
+        min_tensor_parallel_size: the model's configured tensor-parallel size, which the plan keeps (or raises,
+            where the model does not fit that way).
 
     Raises:
-        PlanError: when no slice fits, saying by how much the largest one misses.
+        PlanError: when nothing fits, saying by how much the largest slice (or a whole node) misses; or a
+            configured tensor-parallel size on MIG slices.
     """
     kv_needed = inputs.concurrency * inputs.context_len * shape.kv_bytes_per_token
     need = shape.weight_bytes + kv_needed
     candidates = slices(gpu, mig)
-    chosen = next((s for s in candidates if s.usable_bytes(inputs) >= need), None)
+    if mig and min_tensor_parallel_size > 1:
+        raise PlanError(f"{shape.name} sets tensor_parallel_size {min_tensor_parallel_size}, which needs whole GPUs "
+                        f"(no tensor parallelism across MIG instances); plan it without --mig")
+    chosen = (next((s for s in candidates if s.usable_bytes(inputs) >= need), None)
+              if min_tensor_parallel_size == 1 else None)
+    num_ranks = 1
+    if chosen is None and not mig:
+        num_ranks = _tensor_parallel_size(shape, candidates[-1], inputs, min_tensor_parallel_size) or 0
+        chosen = candidates[-1] if num_ranks else None
     if chosen is None:
         largest = candidates[-1]
         usable = largest.usable_bytes(inputs)
         where = f"the largest {gpu.name} MIG slice ({largest.name})" if mig else f"a whole {gpu.name}"
         hint = (" MIG slices cannot be combined (no tensor parallelism across MIG instances); plan it without --mig"
-                if mig else " It needs tensor parallelism across GPUs, which the planner does not lay out.")
+                if mig else f" Nor does it fit sharded over up to {TENSOR_PARALLEL_SIZES[-1]} GPUs of one node "
+                            f"(tensor parallel sizes dividing its {shape.num_heads} attention heads).")
         raise PlanError(
             f"{shape.name} needs {need / GiB:.1f} GiB ({shape.weight_bytes / GiB:.1f} GiB weights + "
             f"{kv_needed / GiB:.1f} GiB KV for {inputs.concurrency} x {inputs.context_len} tokens); {where} "
             f"offers {usable / GiB:.1f} GiB usable: short by {(need - usable) / GiB:.1f} GiB.{hint}")
     usable = chosen.usable_bytes(inputs)
-    max_seqs = int((usable - shape.weight_bytes) // (inputs.context_len * shape.kv_bytes_per_token))
+    rank_weights = shape.weight_bytes / num_ranks
+    rank_kv_per_seq = inputs.context_len * shape.kv_bytes_per_token_per_rank(num_ranks)
+    max_seqs = int((usable - rank_weights) // rank_kv_per_seq)
     batch = inputs.concurrency
-    step_bytes = shape.weight_bytes + batch * inputs.context_len * shape.kv_bytes_per_token
+    # Ranks read their shards side by side: a step takes one rank's bytes over one GPU's bandwidth (the
+    # all-reduces between ranks are left out: these are ceilings).
+    step_bytes = rank_weights + batch * rank_kv_per_seq
     decode = batch * chosen.bandwidth_bytes_per_s / step_bytes
-    single = chosen.bandwidth_bytes_per_s / shape.weight_bytes
-    cost = inputs.price_per_gpu_hour * chosen.gpu_share / (decode * 3600) * 1e6
+    single = chosen.bandwidth_bytes_per_s / rank_weights
+    cost = inputs.price_per_gpu_hour * chosen.gpu_share * num_ranks / (decode * 3600) * 1e6
     cold = shape.weight_bytes / inputs.load_bandwidth_bytes_per_s + inputs.startup_overhead_s
     return ModelPlan(shape.name, replicas, shape.num_params, shape.weight_bytes, shape.kv_bytes_per_token, need,
-                     chosen.name, int(usable), max_seqs, single, decode, cold, cost)
+                     chosen.name, int(usable), max_seqs, single, decode, cold, cost, num_ranks)
 
 
 @dataclass
@@ -269,12 +323,13 @@ def pack(plans: list[ModelPlan], gpu: GpuSpec) -> list[GpuAssignment]:
 
     Greedy: open one GPU at a time with the layout whose slots the remaining replicas fill most
     (by slot memory; ties: the least memory left idle, then the first listed, all-balanced).
-    Whole-GPU plans take one GPU each, with MIG disabled.
+    Whole-GPU plans take one GPU per replica and rank, with MIG disabled.
     """
-    items = sorted(((plan.model, plan.slice, plan.need_bytes) for plan in plans for _ in range(plan.replicas)),
-                   key=lambda item: -item[2])
-    gpus = [GpuAssignment("all-disabled", [("gpu", model)]) for model, profile, _ in items if profile == "gpu"]
-    items = [item for item in items if item[1] != "gpu"]
+    items = sorted(((plan.model, plan.slice, plan.need_bytes) for plan in plans for _ in range(plan.replicas)
+                    if plan.slice != "gpu"), key=lambda item: -item[2])
+    # A tensor-parallel replica takes its GPUs whole, one assignment each.
+    gpus = [GpuAssignment("all-disabled", [("gpu", plan.model)]) for plan in plans if plan.slice == "gpu"
+            for _ in range(plan.replicas * plan.tensor_parallel_size)]
     while items:
         best = None
         for name, layout in gpu.layouts.items():
@@ -315,7 +370,11 @@ def plan_config(config: PlatformConfig, gpu: GpuSpec, mig: bool, inputs: PlanInp
                             str(args.extra.get("kv_cache_dtype", "auto")))
         targets = replace(inputs, context_len=context_len or args.max_model_len or inputs.context_len,
                           concurrency=concurrency or args.max_num_seqs or inputs.concurrency)
-        plans.append(plan_model(shape, gpu, mig, targets, sum(_pool_replicas(model).values())))
+        plan = plan_model(shape, gpu, mig, targets, sum(_pool_replicas(model).values()), args.tensor_parallel_size)
+        if plan.tensor_parallel_size > 1 and model.disaggregation is not None:
+            raise PlanError(f"{model.name} needs {plan.tensor_parallel_size} GPUs per replica (tensor parallelism), "
+                            f"which disaggregated models do not support yet: serve it colocated")
+        plans.append(plan)
     return plans
 
 
@@ -344,9 +403,12 @@ def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec, m
         plan = by_model[entry["name"]]
         # On a GPU this sizes the KV pool: what the slice leaves after the weights (vLLM's
         # gpu_memory_utilization would instead size it from the whole device it sees).
-        entry.setdefault("engine_args", {})["kv_cache_memory_bytes"] = plan.slice_usable_bytes - plan.weight_bytes
+        engine_args = entry.setdefault("engine_args", {})
+        engine_args["kv_cache_memory_bytes"] = plan.kv_cache_bytes_per_gpu
+        if plan.tensor_parallel_size > 1:
+            engine_args["tensor_parallel_size"] = plan.tensor_parallel_size
         resources = entry.setdefault("resources", {})
-        resources.update({"num_gpus": 1})
+        resources.update({"num_gpus": plan.tensor_parallel_size})
         # CPU core pins mean nothing to a GPU engine; a pool's own pins would outlive the model's otherwise.
         pools = entry.get("disaggregation") or {}
         for pins in (resources, pools.get("prefill") or {}, pools.get("decode") or {}):
@@ -356,10 +418,13 @@ def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec, m
         model = config.model(plan.model)
         # Both pools of a disaggregated model share its slice size, so they share one worker group: Ray
         # places prefill and decode replicas on any pod offering the slice's resource.
-        name = group_name("colocated" if model.disaggregation is None else "disaggregated",
-                          plan.slice if mig else "gpu")
+        # Pods of a tensor-parallel model hold all its ranks' GPUs: a group of their own per GPU count.
+        where = plan.slice if mig else ("gpu" if plan.tensor_parallel_size == 1 else f"{plan.tensor_parallel_size}gpu")
+        name = group_name("colocated" if model.disaggregation is None else "disaggregated", where)
         group = groups.setdefault(name, {"migProfile": plan.slice if mig else "", "replicas": 0, "minReplicas": 0,
                                          "maxReplicas": 0, "cpu": "8", "memory": "32Gi"})
+        if plan.tensor_parallel_size > 1:
+            group["numGpus"] = plan.tensor_parallel_size
         group["replicas"] += sum(_pool_replicas(model, at_most=False).values())
         group["maxReplicas"] += plan.replicas
         # Host memory to stage the weights while loading: 1.5x the weights, at least 32 GiB.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -99,9 +100,49 @@ def test_quantized_70b_fits_a_whole_h100_slice_but_bf16_misses_by_its_excess(tmp
     # need 141,107,412,992 + 10,737,418,240 = 151,844,831,232; 7g.80gb usable 70,926,258,176: short 75.4 GiB.
     with pytest.raises(PlanError, match=r"needs 141.4 GiB .* offers 66.1 GiB usable: short by 75.4 GiB"):
         plan_model(bf16, gpu("h100-80gb"), True, INPUTS)
-    # A whole H200 (126,826,258,176 - ... ) still misses: 151,844,831,232 - 125,826,258,176 = 24.2 GiB.
-    with pytest.raises(PlanError, match=r"short by 24.2 GiB.*tensor parallelism"):
-        plan_model(bf16, gpu("h200-141gb"), False, INPUTS)
+    # A whole H200 (125,826,258,176 usable) misses by 151,844,831,232 - 125,826,258,176 = 24.2 GiB, so the plan
+    # shards it (next test).
+    assert plan_model(bf16, gpu("h200-141gb"), False, INPUTS).tensor_parallel_size == 2
+
+
+@pytest.mark.parametrize(("gpu_name", "ranks", "kv_per_gpu", "max_seqs"), [
+    # H100: 2 ranks need 70,553,706,496 weights + 8 x 4096 x 163,840 KV (4 of the 8 KV heads each) =
+    # 75,922,415,616 > 70,926,258,176 usable; 4 ranks need 35,276,853,248 + 2,684,354,560: they fit.
+    # KV per GPU: 70,926,258,176 - 35,276,853,248 = 35,649,404,928; / (4096 x 81,920) = 106 sequences.
+    ("h100-80gb", 4, 35_649_404_928, 106),
+    # H200: 75,922,415,616 <= 125,826,258,176 at 2 ranks; 125,826,258,176 - 70,553,706,496 = 55,272,551,680 of
+    # KV per GPU, / (4096 x 163,840) = 82 sequences.
+    ("h200-141gb", 2, 55_272_551_680, 82),
+])
+def test_a_model_no_gpu_holds_is_sharded_over_the_fewest_gpus_that_do(tmp_path, gpu_name, ranks, kv_per_gpu, max_seqs):
+    plan = plan_model(model_shape("llama-3-70b", folder(tmp_path, "m", LLAMA_3_70B)), gpu(gpu_name), False, INPUTS)
+    assert (plan.slice, plan.tensor_parallel_size) == ("gpu", ranks)
+    assert (plan.kv_cache_bytes_per_gpu, plan.max_concurrent_seqs) == (kv_per_gpu, max_seqs)
+    # A replica takes its GPUs whole: 2 replicas are 2 x ranks GPUs.
+    assert len(pack([replace(plan, replicas=2)], gpu(gpu_name))) == 2 * ranks
+
+
+def test_kv_heads_are_split_between_ranks_and_copied_past_them(tmp_path):
+    shape = model_shape("llama-3-70b", folder(tmp_path, "m", LLAMA_3_70B))
+    # 80 layers x 2 (K and V) x 128 head dim x 2 bytes = 40,960 bytes per KV head per token; 8 KV heads.
+    assert [shape.kv_bytes_per_token_per_rank(ranks) for ranks in (1, 2, 8, 16)] == [
+        8 * 40_960, 4 * 40_960, 40_960, 40_960]
+
+
+def test_sharding_needs_sizes_that_divide_the_attention_heads(tmp_path):
+    # 9 heads: no size of 2, 4 or 8 divides them, so a model no GPU holds cannot be sharded either.
+    odd = {**LLAMA_3_70B, "num_attention_heads": 9, "num_key_value_heads": 9, "head_dim": 128}
+    with pytest.raises(PlanError, match=r"Nor does it fit sharded over up to 8 GPUs of one node .* its 9 attention"):
+        plan_model(model_shape("odd", folder(tmp_path, "m", odd)), gpu("h100-80gb"), False, INPUTS)
+
+
+def test_a_configured_tensor_parallel_size_is_kept_and_refused_on_mig(tmp_path):
+    shape = model_shape("llama-3-8b", folder(tmp_path, "m", LLAMA_3_8B))
+    # The 8B fits one H100, but the config asks for 2 ranks: the plan keeps them.
+    plan = plan_model(shape, gpu("h100-80gb"), False, INPUTS, min_tensor_parallel_size=2)
+    assert plan.tensor_parallel_size == 2
+    with pytest.raises(PlanError, match="tensor_parallel_size 2, which needs whole GPUs"):
+        plan_model(shape, gpu("h100-80gb"), True, INPUTS, min_tensor_parallel_size=2)
 
 
 def plan_factory(model: str, slice_name: str, replicas: int = 1, need_bytes: int = GiB) -> ModelPlan:
@@ -160,6 +201,40 @@ def test_plan_config_emits_values_the_chart_accepts(tmp_path):
     service = yaml.safe_load(manifests["fleetserve/templates/rayservice.yaml"])
     served = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["platform"]
     assert parse_config(served).model("llama").resources.custom_resources == {"mig-3g.40gb": 1}
+
+
+def test_a_sharded_model_gets_a_group_whose_pods_hold_all_its_gpus(tmp_path):
+    helm = pytest.importorskip("helm_python")
+    config = parse_config({"models": [
+        {"name": "big", "source": str(folder(tmp_path, "b", LLAMA_3_70B)), "replicas": 2,
+         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}},
+        {"name": "small", "source": str(folder(tmp_path, "s", LLAMA_3_8B)),
+         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}}]})
+    spec = gpu("h100-80gb")
+    values = chart_values(config, plan_config(config, spec, False, PlanInputs()), spec, False)
+    # Host memory: 1.5 x 141,107,412,992 bytes of weights = 197.1 GiB, rounded up to 198.
+    assert values["workerGroups"] == {
+        "colocated-4gpu": {"migProfile": "", "replicas": 2, "minReplicas": 0, "maxReplicas": 2, "cpu": "8",
+                           "memory": "198Gi", "numGpus": 4},
+        "colocated-gpu": {"migProfile": "", "replicas": 1, "minReplicas": 0, "maxReplicas": 1, "cpu": "8",
+                          "memory": "32Gi"}}
+    big = parse_config(values["platform"]).model("big")
+    assert (big.engine_args.tensor_parallel_size, big.resources.num_gpus) == (4, 4)
+    assert big.engine_args.kv_cache_memory_bytes == 35_649_404_928  # per GPU, as vLLM reads it
+    assert parse_config(values["platform"]).model("small").engine_args.tensor_parallel_size == 1
+    with helm.Chart.load(str(Path(__file__).resolve().parents[2] / "helm" / "fleetserve")) as chart:
+        manifests = chart.render(values, name="demo", namespace="llm")
+    specs = yaml.safe_load(manifests["fleetserve/templates/rayservice.yaml"])["spec"]["rayClusterConfig"]
+    gpus = {group["groupName"]: group["rayStartParams"]["num-gpus"] for group in specs["workerGroupSpecs"]}
+    assert gpus == {"colocated-4gpu": "4", "colocated-gpu": "1"}
+
+
+def test_a_disaggregated_model_that_needs_sharding_is_refused(tmp_path):
+    config = parse_config({"models": [{"name": "big", "source": str(folder(tmp_path, "b", LLAMA_3_70B)),
+                                       "engine_args": {"max_model_len": 4096, "max_num_seqs": 8},
+                                       "disaggregation": {"prefill": {}, "decode": {}}}]})
+    with pytest.raises(PlanError, match="big needs 4 GPUs per replica .* disaggregated models do not support yet"):
+        plan_config(config, gpu("h100-80gb"), False, PlanInputs())
 
 
 def test_disaggregated_model_plans_both_pools_on_one_group(tmp_path):

@@ -136,6 +136,23 @@ def test_single_strategy_requests_a_gpu_on_nodes_labelled_with_the_profile():
     assert group["template"]["spec"]["nodeSelector"]["nvidia.com/gpu.product"] == "NVIDIA-H200-MIG-1g.18gb"
 
 
+def test_a_whole_gpu_group_gives_each_pod_its_num_gpus_for_tensor_parallel_replicas():
+    group = {**MIG_GROUP, "migProfile": "", "numGpus": 4}
+    service = find(render({"gpu": {"migStrategy": "none", "product": "NVIDIA-H100-80GB-HBM3"},
+                           "workerGroups": {"colocated-gpu": group}}), "RayService")
+    [spec] = service["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    assert spec["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 4
+    assert spec["rayStartParams"]["num-gpus"] == "4"
+    assert "resources" not in spec["rayStartParams"]
+    jsonschema_validate_rayservice(service)
+
+
+def jsonschema_validate_rayservice(service: dict[str, Any]) -> None:
+    import jsonschema
+
+    jsonschema.validate(service, crd_schema("ray.io_rayservices.yaml", "v1"))
+
+
 def test_worker_groups_are_a_named_map_one_spec_each():
     groups = {"prefill-3g-40gb": MIG_GROUP, "decode-1g-10gb": {**MIG_GROUP, "migProfile": "1g.10gb", "maxReplicas": 6}}
     specs = find(render({"workerGroups": groups}), "RayService")["spec"]["rayClusterConfig"]["workerGroupSpecs"]
@@ -242,6 +259,7 @@ def test_every_pod_takes_serves_fast_path_as_the_platform_config_says(server):
     ({"workerGroups": {"Decode_Pool": MIG_GROUP}}, "does not match pattern"),
     ({"workerGroups": {"g": {**MIG_GROUP, "migProfile": "5g.10gb"}}}, "'5g.10gb' does not match pattern"),
     ({"workerGroups": {"g": {**MIG_GROUP, "replicas": -1}}}, "/workerGroups/g/replicas"),
+    ({"workerGroups": {"g": {**MIG_GROUP, "numGpus": 9}}}, "/workerGroups/g/numGpus"),
     ({"replicaCount": 3}, "additional properties 'replicaCount' not allowed"),
     ({"platform": {"models": []}}, "/platform/models"),
     ({"modelCache": {"hostPath": "cache"}}, "/modelCache/hostPath"),
@@ -249,6 +267,11 @@ def test_every_pod_takes_serves_fast_path_as_the_platform_config_says(server):
 def test_invalid_values_are_rejected_with_the_key_path(values, message):
     with pytest.raises(helm.HelmValuesError, match=message):
         render(values)
+
+
+def test_a_mig_group_cannot_take_several_gpus_per_pod():
+    with pytest.raises(Exception, match="numGpus above 1 needs whole GPUs"):
+        render({"workerGroups": {"g": {**MIG_GROUP, "numGpus": 2}}})
 
 
 def test_keda_example_matches_the_keda_crd():

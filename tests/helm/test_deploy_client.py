@@ -165,6 +165,9 @@ def test_deploy_reports_values_the_chart_rejects_without_calling_the_api(cluster
     ({"num_gpus": 1, "custom_resources": {"mig-3g.40gb": 1}}, {"colocated-1g-10gb": {"migProfile": "1g.10gb"}},
      "model m asks for a 3g.40gb MIG slice, which no worker group offers (migProfile: 1g.10gb)"),
     ({"num_gpus": 1}, {}, "model m asks for a GPU, and the values define no worker group"),
+    # A tensor-parallel replica's GPUs must be on one pod.
+    ({"num_gpus": 4}, {"colocated-2gpu": {"migProfile": "", "numGpus": 2}},
+     "model m asks for 4 GPUs per replica, and no worker group's pods hold more than 2 whole GPUs (numGpus)"),
     # A disaggregated pool's own slice counts too.
     ({"num_gpus": 1, "custom_resources": {"mig-1g.10gb": 1}, "_decode": {"mig-2g.20gb": 1}},
      {"colocated-1g-10gb": {"migProfile": "1g.10gb"}},

@@ -34,10 +34,13 @@ applications:
 {{/* The GPU a worker group's pod asks Kubernetes for. Args: (dict "group" $group "root" $). */}}
 {{- define "fleetserve.gpuLimits" -}}
 {{- $strategy := .root.Values.gpu.migStrategy -}}
+{{- if and .group.migProfile (gt (int (.group.numGpus | default 1)) 1) -}}
+{{- fail "workerGroups: a group with a migProfile takes one slice per pod; numGpus above 1 needs whole GPUs (migProfile \"\")" -}}
+{{- end -}}
 {{- if and .group.migProfile (eq $strategy "mixed") -}}
 nvidia.com/mig-{{ .group.migProfile }}: 1
 {{- else -}}
-nvidia.com/gpu: 1
+nvidia.com/gpu: {{ .group.numGpus | default 1 }}
 {{- end -}}
 {{- end -}}
 
@@ -54,10 +57,11 @@ nvidia.com/gpu.product: {{ .root.Values.gpu.product }}
 {{- end -}}
 {{- end -}}
 
-{{/* rayStartParams for a worker group: one GPU, plus a custom resource naming its MIG profile so
-     engine replicas that ask for it (resources.custom_resources in the platform config) land here. */}}
+{{/* rayStartParams for a worker group: its GPUs (one slice, or numGpus whole GPUs), plus a custom resource
+     naming its MIG profile so engine replicas that ask for it (resources.custom_resources in the platform
+     config) land here. */}}
 {{- define "fleetserve.workerRayStartParams" -}}
-num-gpus: "1"
+num-gpus: {{ .group.numGpus | default 1 | toString | quote }}
 {{- if .group.migProfile }}
 resources: {{ printf "{\"mig-%s\": 1}" .group.migProfile | quote }}
 {{- end -}}
