@@ -14,6 +14,7 @@ import pytest
 
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.model_clients import LocalModelClient
+from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.deployments.ingress.security import FrontDoor, RateLimiter, TokenBucket, hash_key
 from fleetserve.platform.config import AuthConfig, ConfigError, ModelConfig, TenantConfig, parse_config
@@ -144,6 +145,33 @@ def test_tokens_per_minute_charge_prompt_and_budget_and_refuse_nothing_twice():
     limiter.admit("t", 30)  # a refused request charged nothing, so this one fits exactly
     with pytest.raises(Exception, match="more than tenant 't'"):
         limiter.admit("t", 500)
+
+
+def test_a_key_revoked_from_the_keys_file_stops_working_without_a_restart(tmp_path, caplog):
+    keys = tmp_path / "keys.yaml"
+    keys.write_text(f"- {{sha256: {hash_key('sk-old')}, tenant: a}}\n")
+    now = [0.0]
+    door = FrontDoor(AuthConfig.model_validate({"tenants": {"a": {}, "b": {}}, "api_keys_file": str(keys)}),
+                     clock=lambda: now[0])
+    assert door.authenticate("Bearer sk-old").tenant == "a"
+    # The secret is rotated: a new file (as Kubernetes swaps a Secret's mount) with the new key only.
+    rotated = tmp_path / "rotated.yaml"
+    rotated.write_text(f"- {{sha256: {hash_key('sk-new')}, tenant: b}}\n")
+    rotated.replace(keys)
+    now[0] = 4.9  # within KEYS_FILE_CHECK_S of the last check: not read yet
+    assert door.authenticate("Bearer sk-old").tenant == "a"
+    now[0] = 5.0
+    with pytest.raises(APIError, match="Incorrect API key"):
+        door.authenticate("Bearer sk-old")
+    assert door.authenticate("Bearer sk-new").tenant == "b"
+    # A broken rewrite keeps the keys in force (and says so) rather than locking every caller out.
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("- {sha256: not-a-hash, tenant: b}\n")
+    broken.replace(keys)
+    now[0] = 10.0
+    with caplog.at_level(logging.ERROR):
+        assert door.authenticate("Bearer sk-new").tenant == "b"
+    assert "keeping the previous keys" in caplog.text
 
 
 def test_config_errors_and_keys_file(tmp_path):

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import math
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +20,12 @@ import yaml
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.platform.config import APIKeyConfig, AuthConfig, ConfigError, TenantConfig
 
+logger = logging.getLogger(__name__)
+
 SECONDS_PER_MINUTE = 60.0
+# Seconds between checks of the keys file for changes (a Kubernetes Secret update reaches the mount within
+# about a minute; this adds at most this much).
+KEYS_FILE_CHECK_S = 5.0
 
 
 def hash_key(key: str) -> str:
@@ -62,20 +69,61 @@ def load_keys_file(path: str | Path) -> list[APIKeyConfig]:
         raise ConfigError(f"auth.api_keys_file {path}: {error}") from None
 
 
+def _file_stamp(path: str) -> tuple[int, int, int] | None:
+    """What changes when a file is rewritten or swapped (a Kubernetes Secret's mount swaps a symlink)."""
+    try:
+        stat = os.stat(path)
+    except OSError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns, stat.st_size
+
+
 class KeyStore:
-    """Maps bearer tokens to principals.
+    """Maps bearer tokens to principals. The keys file, when there is one, is read again within
+    KEYS_FILE_CHECK_S of changing, so a key added to or revoked from the mounted secret takes effect
+    without a restart.
+
+    Args:
+        auth: the auth config.
+        clock: monotonic seconds.
 
     Raises:
         ConfigError: a key in the secret file names an undefined tenant.
     """
 
-    def __init__(self, auth: AuthConfig) -> None:
+    def __init__(self, auth: AuthConfig, clock=time.monotonic) -> None:
+        self.auth = auth
+        self.clock = clock
+        self.tenants: dict[str, TenantConfig] = dict(auth.tenants)
+        self._stamp = _file_stamp(auth.api_keys_file) if auth.api_keys_file else None
+        self._checked = clock()
+        self._keys = self._load()
+
+    def _load(self) -> dict[str, APIKeyConfig]:
+        auth = self.auth
         keys = list(auth.api_keys) + (load_keys_file(auth.api_keys_file) if auth.api_keys_file else [])
         unknown = sorted({key.tenant for key in keys} - set(auth.tenants))
         if unknown:
             raise ConfigError(f"auth.api_keys_file names tenants {unknown} that auth.tenants does not define")
-        self.tenants: dict[str, TenantConfig] = dict(auth.tenants)
-        self._keys = {key.sha256: key for key in keys}
+        return {key.sha256: key for key in keys}
+
+    def _reload_if_changed(self) -> None:
+        path = self.auth.api_keys_file
+        now = self.clock()
+        if path is None or now - self._checked < KEYS_FILE_CHECK_S:
+            return
+        self._checked = now
+        stamp = _file_stamp(path)
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            self._keys = self._load()
+        except ConfigError as error:
+            # The keys in force stay: an unreadable or half-written secret must not lock every caller out.
+            logger.error("API keys file changed but cannot be used; keeping the previous keys: %s", error)
+            return
+        logger.info("API keys file %s changed: %d keys in force", path, len(self._keys))
 
     def authenticate(self, authorization: str | None) -> Principal:
         """The principal behind an ``Authorization: Bearer <key>`` header.
@@ -83,6 +131,7 @@ class KeyStore:
         Raises:
             APIError: 401 for a missing, malformed or unknown key.
         """
+        self._reload_if_changed()
         if not authorization:
             raise _unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
         scheme, _, token = authorization.partition(" ")
@@ -248,7 +297,7 @@ class FrontDoor:
     """
 
     def __init__(self, auth: AuthConfig, clock=time.monotonic, num_parts: int = 1) -> None:
-        self.keys = KeyStore(auth)
+        self.keys = KeyStore(auth, clock)
         self.limiter = RateLimiter(self.keys.tenants, clock, num_parts)
         total_weight = sum(spec.weight for spec in self.keys.tenants.values())
         self._shares = {name: spec.weight / total_weight for name, spec in self.keys.tenants.items()}
