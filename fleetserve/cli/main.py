@@ -354,6 +354,26 @@ def auth_hash_key() -> None:
         raise typer.Exit(2)
     print(hash_key(key))
 
+
+@auth_app.command("new-key")
+def auth_new_key(
+    tenant: Annotated[str, typer.Option(help="The tenant the key belongs to (a key of auth.tenants).")],
+    admin: Annotated[bool, typer.Option("--admin", help="An admin key (/metrics, adapter loading).")] = False,
+) -> None:
+    """Mint a random API key: prints the key once (give it to the tenant) and the api_keys entry that holds
+    only its hash (add it to the config or the keys file)."""
+    import secrets
+
+    import yaml
+
+    from fleetserve.deployments.ingress.security import hash_key
+
+    # 32 random bytes, URL-safe, with a prefix that secret scanners and people recognise.
+    key = f"sk-fs-{secrets.token_urlsafe(32)}"
+    entry = {"sha256": hash_key(key), "tenant": tenant, **({"admin": True} if admin else {})}
+    print(f"key (shown once): {key}")
+    print("api_keys entry:   " + yaml.safe_dump([entry], default_flow_style=None, sort_keys=False, width=1000).strip())
+
 bench_app = typer.Typer(help="Load-test any OpenAI-compatible endpoint (fleetserve, vLLM, ...).",
                         pretty_exceptions_enable=False)
 app.add_typer(bench_app, name="bench")

@@ -11,6 +11,7 @@ import logging
 import httpx
 import openai
 import pytest
+import yaml
 
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.model_clients import LocalModelClient
@@ -208,6 +209,24 @@ def test_cli_hashes_a_key_from_stdin():
 
     result = CliRunner().invoke(app, ["auth", "hash-key"], input="sk-alpha-0001\n")
     assert result.exit_code == 0 and result.stdout.strip() == hash_key("sk-alpha-0001")
+
+
+def test_cli_mints_a_key_whose_entry_holds_only_its_hash_and_lets_it_in():
+    from typer.testing import CliRunner
+
+    from fleetserve.cli.main import app
+
+    result = CliRunner().invoke(app, ["auth", "new-key", "--tenant", "alpha"])
+    assert result.exit_code == 0, result.output
+    key_line, entry_line = result.stdout.splitlines()
+    key = key_line.removeprefix("key (shown once): ")
+    entries = yaml.safe_load(entry_line.removeprefix("api_keys entry:"))
+    assert key.startswith("sk-fs-") and len(key) == len("sk-fs-") + 43  # 32 bytes in URL-safe base64
+    assert entries == [{"sha256": hash_key(key), "tenant": "alpha"}] and key not in entry_line
+    door = FrontDoor(AuthConfig.model_validate({"tenants": {"alpha": {}}, "api_keys": entries}))
+    assert door.authenticate(f"Bearer {key}").tenant == "alpha"
+    again = CliRunner().invoke(app, ["auth", "new-key", "--tenant", "alpha", "--admin"])
+    assert again.stdout.splitlines()[0] != key_line and "admin: true" in again.stdout  # a new key each time
 
 
 def test_each_of_n_ingress_replicas_enforces_an_equal_part_of_a_budget():
