@@ -55,8 +55,14 @@ def serve(
     from fleetserve.deployments.placement import PlacementError
     from fleetserve.deployments.serve_options import HAPROXY_PORT_ENV, local_cluster_runtime_env, serve_runtime_env
     from fleetserve.platform.model_store import ModelSourceError
+    from fleetserve.platform.ports import bindable
     from fleetserve.platform.shm import remove_orphaned_segments
 
+    if address is None and not bindable(host, port):
+        # Serve's proxy would fail to bind after Ray and every engine had started, with a long traceback.
+        console.print(f"[red]error:[/] {host}:{port} is taken (another fleetserve, or another server); "
+                      f"pick another with --port or server.port")
+        raise typer.Exit(2)
     removed = remove_orphaned_segments()
     if removed:
         console.print(f"removed {len(removed)} orphaned vLLM shared-memory segments")

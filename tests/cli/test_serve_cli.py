@@ -46,3 +46,17 @@ def test_serve_rejects_a_bad_config_with_the_key(tmp_path):
                           text=True, timeout=60)
     assert done.returncode == 2
     assert "models.0.replicas: Input should be greater than or equal to 1" in done.stderr
+
+
+def test_serve_refuses_a_taken_port_before_starting_anything():
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "fleetserve.cli", "serve", str(ROOT / "examples" / "tiny.yaml"),
+                               "--port", str(port)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert f"127.0.0.1:{port} is taken" in " ".join(done.stderr.split())
+    assert "Traceback" not in done.stderr and "Ray" not in done.stderr  # refused before Ray started
