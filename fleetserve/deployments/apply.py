@@ -26,16 +26,24 @@ def running_config(app_name: str = APP_NAME) -> PlatformConfig:
     return config
 
 
+# Server keys that only the ingress's own replicas read: applied by rolling them.
+SERVER_KEYS_APPLIED = frozenset({"cors"})
+
+
 def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChange:
     """What applying ``config`` would change.
 
     Raises:
         ConfigError: no such application, or a change apply cannot make (the listening address).
     """
-    change = diff_configs(running_config(app_name), config)
+    running = running_config(app_name)
+    change = diff_configs(running, config)
     if "server" in change.sections:
-        raise ConfigError("server: the listening address and where the ingress runs cannot change while the "
-                          "platform runs; restart `fleetserve serve` to move them")
+        before, after = running.server.model_dump(), config.server.model_dump()
+        fixed = sorted(key for key in after if after[key] != before[key] and key not in SERVER_KEYS_APPLIED)
+        if fixed:
+            raise ConfigError(f"server: {', '.join(fixed)} cannot change while the platform runs (where it listens "
+                              f"and how Serve runs the ingress); restart `fleetserve serve` to change them")
     return change
 
 

@@ -16,12 +16,12 @@ KEEP, GONE, NEW = "tiny-keep", "tiny-gone", "tiny-new"
 CORES = {KEEP: "0", GONE: "1", NEW: "1"}
 
 
-def config(*names: str):
+def config(*names: str, server: dict | None = None):
     from fleetserve.platform.config import parse_config
 
     return parse_config({"models": [{**model_entry(name), "resources": {"num_cpus": 0.1,
                                                                         "cpu_binding": [CORES[name]]}}
-                                    for name in names]})
+                                    for name in names], "server": server or {}})
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +79,20 @@ def test_apply_adds_and_removes_models_while_another_keeps_serving(apply_app):
     assert httpx.post(f"{apply_app}/v1/completions", json={"model": NEW, **body}, timeout=60).status_code == 200
     gone = httpx.post(f"{apply_app}/v1/completions", json={"model": GONE, **body}, timeout=60)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
+
+
+def test_apply_turns_on_cors_and_refuses_a_new_port(apply_app):
+    from fleetserve.deployments.apply import apply_config, plan_change
+    from fleetserve.platform.config import ConfigError
+
+    origin = "https://chat.example.com"
+    preflight = {"Origin": origin, "Access-Control-Request-Method": "POST"}
+    assert "access-control-allow-origin" not in httpx.options(f"{apply_app}/v1/completions", headers=preflight,
+                                                              timeout=30).headers
+    change = apply_config(config(KEEP, NEW, server={"cors": {"allowed_origins": [origin]}}), app_name="apply",
+                          route_prefix="/apply")
+    assert change.sections == ["server"] and change.changed == {}
+    answered = httpx.options(f"{apply_app}/v1/completions", headers=preflight, timeout=30)
+    assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == origin
+    with pytest.raises(ConfigError, match="server: port cannot change while the platform runs"):
+        plan_change(config(KEEP, NEW, server={"port": 9000, "cors": {"allowed_origins": [origin]}}), "apply")

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 
 from fleetserve.deployments.ingress.protocol import (
     HEADER_DOMAIN_DISTANCE,
@@ -60,7 +61,8 @@ from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_ap
                                                      relay_stream, until_final)
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
-from fleetserve.platform.config import AuthConfig, LimitsConfig, ModelConfig, ModelRoutingConfig, PlatformConfig
+from fleetserve.platform.config import (AuthConfig, CorsConfig, LimitsConfig, ModelConfig, ModelRoutingConfig,
+                                        PlatformConfig)
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.middleware import FrontDoorMiddleware
 from fleetserve.platform.metrics import merge_expositions
@@ -108,8 +110,10 @@ class OpenAIIngress:
                  metrics_source: MetricsSource | None = None, models: dict[str, ModelConfig] | None = None,
                  routes: RouteTable | None = None, front_door: FrontDoor | None = None,
                  limits: LimitsConfig | None = None, load_source: LoadSource | None = None,
-                 adapter_catalog: AdapterCatalog | None = None, num_ingress_replicas: int = 1) -> None:
+                 adapter_catalog: AdapterCatalog | None = None, num_ingress_replicas: int = 1,
+                 cors: CorsConfig | None = None) -> None:
         self.clients = clients
+        self.cors = cors
         self.pool = pool
         self.created = int(time.time())
         self.metrics_source = metrics_source
@@ -179,6 +183,13 @@ class OpenAIIngress:
         app.add_middleware(FrontDoorMiddleware, authenticate=authenticate, open_paths=OPEN_PATHS,
                            max_body_bytes=lambda: self.limits.max_body_bytes, count=self._count_request,
                            counted_routes=FORWARDED_ROUTES)
+        if self.cors is not None:
+            # Outermost (added last): a browser's preflight carries no key, and a 401 or 429 must carry the
+            # CORS headers for browser code to read it.
+            cors = self.cors
+            app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
+                               allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials,
+                               expose_headers=cors.expose_headers)
 
         @app.get("/health")
         async def health() -> dict[str, str]:
@@ -541,6 +552,7 @@ class IngressDeployment(OpenAIIngress):
                          metrics_source=source, models=models, routes=RouteTable(model_routing) if model_routing else None,
                          front_door=FrontDoor(auth, num_parts=num_ingress) if auth else None, limits=limits,
                          load_source=load_source, num_ingress_replicas=num_ingress,
+                         cors=config.server.cors if config is not None else None,
                          adapter_catalog=HubAdapterCatalog(metrics_hub) if metrics_hub is not None else None)
 
     def _proxy_request_id(self, raw: Request) -> str | None:

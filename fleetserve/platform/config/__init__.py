@@ -20,7 +20,8 @@ from fleetserve.platform.config.autoscaling import AutoscalingConfig, ReplicaPro
 from fleetserve.platform.config.base import ConfigError, MiB, parse_section
 from fleetserve.platform.config.disaggregation import POOLS, DisaggregationConfig, PDRatio, PoolConfig
 from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, RAY_MIG_RESOURCE_PREFIX, ApiConfig, EngineArgs, Resources
-from fleetserve.platform.config.front_door import APIKeyConfig, AuthConfig, LimitsConfig, ServerConfig, TenantConfig
+from fleetserve.platform.config.front_door import (APIKeyConfig, AuthConfig, CorsConfig, LimitsConfig, ServerConfig,
+                                                   TenantConfig)
 from fleetserve.platform.config.lora import LoraAdapter, LoraConfig
 from fleetserve.platform.config.model import ModelConfig
 from fleetserve.platform.config.platform import PlatformConfig, default_config, load_config, parse_config
@@ -28,5 +29,5 @@ from fleetserve.platform.config.routing import ModelRoute, ModelRoutingConfig, R
 
 __all__ = ["APIKeyConfig", "ApiConfig", "AuthConfig", "AutoscalingConfig", "ConfigError", "DisaggregationConfig",
            "EngineArgs", "KV_LAYOUT_ARGS", "LimitsConfig", "LoraAdapter", "LoraConfig", "MiB", "ModelConfig", "ModelRoute", "ModelRoutingConfig", "RecordingConfig",
-           "PDRatio", "POOLS", "PlatformConfig", "RAY_MIG_RESOURCE_PREFIX", "PoolConfig", "ReplicaProfile", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
+           "CorsConfig", "PDRatio", "POOLS", "PlatformConfig", "RAY_MIG_RESOURCE_PREFIX", "PoolConfig", "ReplicaProfile", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
            "default_config", "load_config", "parse_config", "parse_section"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from fleetserve.platform.config.base import MiB, Strict, WithExtra
 
@@ -53,10 +53,35 @@ class EngineArgs(WithExtra):
         return {**self.model_dump(exclude={"extra"}, exclude_none=True), **self.extra}
 
 
+_HTTP_SERVER = ("an option of the HTTP server `vllm serve` runs; a replica runs vLLM's app behind the platform's "
+                "front door, which has its own in `server:`")
+# vLLM frontend flags that act on `vllm serve`'s own HTTP server or its outermost middleware, which an engine
+# replica does not run, and why each is refused: accepted, they would do nothing (or, api_key, refuse every
+# request the ingress forwards).
+SERVER_OWNED_FLAGS = {
+    "api_key": "API keys are checked at the front door: use the auth section",
+    **{flag: "CORS is answered at the front door: use server.cors"
+       for flag in ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials")},
+    **{flag: _HTTP_SERVER for flag in (
+        "host", "port", "uds", "grpc_port", "root_path", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs",
+        "ssl_cert_reqs", "ssl_ciphers", "enable_ssl_refresh", "uvicorn_log_level", "disable_uvicorn_access_log",
+        "disable_access_log_for_endpoints", "h11_max_incomplete_event_size", "h11_max_header_count",
+        "disable_fastapi_docs", "enable_offline_docs", "data_parallel_supervisor_port")},
+}
+
+
 class ApiConfig(WithExtra):
     """vLLM's OpenAI server options for one model: what ``vllm serve`` takes as frontend flags."""
 
     _section: ClassVar[str] = "api"
+
+    @field_validator("extra")
+    @classmethod
+    def _extra_is_not_the_servers(cls, extra: dict[str, Any]) -> dict[str, Any]:
+        owned = sorted(set(extra) & set(SERVER_OWNED_FLAGS))
+        if owned:
+            raise ValueError("; ".join(f"{flag}: {SERVER_OWNED_FLAGS[flag]}" for flag in owned))
+        return extra
 
     # vLLM's --tool-call-parser (e.g. hermes, llama3_json); None takes the packaged model's default, if any.
     tool_call_parser: str | None = None

@@ -12,6 +12,35 @@ from fleetserve.platform.config.base import MiB, Strict
 _SHA256_HEX = r"^[0-9a-f]{64}$"
 
 
+# Response headers browser code may read on a cross-origin response: routing, rate limits, the request id.
+CORS_EXPOSED_HEADERS = ["x-request-id", "x-fleetserve-model", "x-fleetserve-replica", "x-fleetserve-pool",
+                        "x-fleetserve-prefill-replica", "x-fleetserve-route-reason", "x-fleetserve-model-route-reason",
+                        "retry-after", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
+                        "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
+                        "x-ratelimit-reset-tokens"]
+
+
+class CorsConfig(Strict):
+    """Cross-origin requests from browser code (what `vllm serve`'s --allowed-origins and friends set)."""
+
+    # Origins allowed to call the endpoint, e.g. ["https://chat.example.com"]; ["*"]: any.
+    allowed_origins: list[str] = Field(min_length=1)
+    allowed_methods: list[str] = Field(default_factory=lambda: ["GET", "POST", "OPTIONS"])
+    # Request headers browser code may send (Authorization for API keys, Content-Type for JSON bodies).
+    allowed_headers: list[str] = Field(default_factory=lambda: ["Authorization", "Content-Type", "x-api-key"])
+    # Whether browsers may send cookies; the API's keys are bearer tokens, so it needs none.
+    allow_credentials: bool = False
+    # Response headers browser code may read, beyond the CORS-safelisted ones.
+    expose_headers: list[str] = Field(default_factory=lambda: list(CORS_EXPOSED_HEADERS))
+
+    @model_validator(mode="after")
+    def _no_credentials_for_any_origin(self) -> CorsConfig:
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("allow_credentials with allowed_origins ['*'] would let any site call the endpoint "
+                             "with a visitor's cookies; name the origins")
+        return self
+
+
 class ServerConfig(Strict):
     """Where the OpenAI-compatible endpoint listens."""
 
@@ -38,6 +67,9 @@ class ServerConfig(Strict):
     # requests over them, so a tenant whose requests land unevenly may be limited a little early. One
     # replica's death ends only its own streams.
     num_ingress_replicas: int = Field(default=1, ge=1)
+    # Cross-origin requests from browser code; None answers none (unlike `vllm serve`, which allows every
+    # origin unless told otherwise).
+    cors: CorsConfig | None = None
 
 
 class LimitsConfig(Strict):
