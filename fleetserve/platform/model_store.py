@@ -16,6 +16,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
@@ -34,6 +35,10 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+# "org/name", as the Hub names repositories (a relative path of two parts looks the same; it is checked first).
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class ModelSourceError(ValueError):
@@ -254,6 +259,12 @@ def resolve_source(source: str) -> Path:
         return convert_gguf(path)
     if path.exists():
         raise ModelSourceError(f"model source {path} is a file but not a .gguf; expected a folder or a .gguf file")
+    if HUB_ID.match(source):
+        raise ModelSourceError(
+            f"model source {source!r} looks like a Hugging Face Hub id, and is no local folder: fleetserve does not "
+            f"download from the Hub. Download it once (`huggingface-cli download {source} --local-dir DIR`) to a "
+            f"path every node sees (on Kubernetes, the chart's model cache under /var/cache/fleetserve) and give "
+            f"that folder as the source")
     raise ModelSourceError(
         f"model source {source!r} not found: expected a HF folder, a .gguf file, "
         f"or one of the packaged ids {', '.join(PACKAGED_MODELS)}"

@@ -64,3 +64,9 @@ def test_hf_folder_is_used_in_place(tmp_path):
 def test_bad_sources_say_what_was_expected(tmp_path, make, message):
     with pytest.raises(ModelSourceError, match=message):
         resolve_source(str(make(tmp_path)))
+
+
+def test_a_hub_id_is_told_how_to_download_it():
+    with pytest.raises(ModelSourceError, match=r"looks like a Hugging Face Hub id.*`huggingface-cli download "
+                                               r"meta-llama/Llama-3.1-8B-Instruct --local-dir DIR`"):
+        resolve_source("meta-llama/Llama-3.1-8B-Instruct")
