@@ -362,7 +362,7 @@ def plan_config(config: PlatformConfig, gpu: GpuSpec, mig: bool, inputs: PlanInp
     plans = []
     for model in config.models:
         try:
-            folder = resolve_source(model.source)
+            folder = resolve_source(model.source, config_only=True)
         except ModelSourceError as error:
             raise PlanError(f"{model.name}: {error}") from None
         args = model.engine_args

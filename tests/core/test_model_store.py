@@ -66,7 +66,22 @@ def test_bad_sources_say_what_was_expected(tmp_path, make, message):
         resolve_source(str(make(tmp_path)))
 
 
-def test_a_hub_id_is_told_how_to_download_it():
-    with pytest.raises(ModelSourceError, match=r"looks like a Hugging Face Hub id.*`huggingface-cli download "
-                                               r"meta-llama/Llama-3.1-8B-Instruct --local-dir DIR`"):
+def test_a_hub_id_resolves_to_its_cached_snapshot_when_the_hub_is_unreachable(tmp_path, monkeypatch):
+    # Hugging Face's cache layout: refs/main names the snapshot folder of the main revision.
+    repo = tmp_path / "models--acme--tiny"
+    snapshot = repo / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)  # as on a node without Hub access
+    assert resolve_source("acme/tiny") == snapshot
+
+
+def test_a_hub_id_neither_the_hub_nor_the_cache_has_says_how_to_fetch_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    with pytest.raises(ModelSourceError, match=r"could not be fetched .*`huggingface-cli download "
+                                               r"meta-llama/Llama-3.1-8B-Instruct --local-dir DIR`.*HF_TOKEN"):
         resolve_source("meta-llama/Llama-3.1-8B-Instruct")

@@ -214,7 +214,7 @@ def test_optional_objects_appear_only_when_enabled():
     assert "PodDisruptionBudget" not in {o["kind"] for o in render({"podDisruptionBudget": {"enabled": False}})}
 
 
-def test_every_pod_mounts_the_model_cache_and_points_both_caches_into_it():
+def test_every_pod_mounts_the_model_cache_and_points_every_cache_into_it():
     service = find(render({"workerGroups": {"colocated-3g-40gb": MIG_GROUP}}), "RayService")["spec"]
     cluster = service["rayClusterConfig"]
     pods = [cluster["headGroupSpec"]["template"]["spec"],
@@ -226,6 +226,19 @@ def test_every_pod_mounts_the_model_cache_and_points_both_caches_into_it():
         assert {"name": "model-cache", "mountPath": "/var/cache/fleetserve"} in container["volumeMounts"]
         assert {"name": "FLEETSERVE_CACHE", "value": "/var/cache/fleetserve/models"} in container["env"]
         assert {"name": "VLLM_CACHE_ROOT", "value": "/var/cache/fleetserve/vllm"} in container["env"]
+        assert {"name": "HF_HOME", "value": "/var/cache/fleetserve/huggingface"} in container["env"]
+        assert "HF_TOKEN" not in {item["name"] for item in container["env"]}
+
+
+def test_a_hub_token_secret_reaches_every_pod_as_hf_token():
+    service = find(render({"workerGroups": {"colocated-3g-40gb": MIG_GROUP},
+                           "hubToken": {"existingSecret": "hf", "key": "read-token"}}), "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"]["template"]["spec"],
+                *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]:
+        [token] = [item for item in pod["containers"][0]["env"] if item["name"] == "HF_TOKEN"]
+        assert token["valueFrom"] == {"secretKeyRef": {"name": "hf", "key": "read-token"}}
+    jsonschema_validate_rayservice(service)
 
 
 def test_the_model_cache_takes_a_claim_or_can_be_left_out():

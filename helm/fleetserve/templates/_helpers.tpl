@@ -77,6 +77,12 @@ env:
   {{- if .Values.modelCache.enabled }}
   - {name: FLEETSERVE_CACHE, value: /var/cache/fleetserve/models}
   - {name: VLLM_CACHE_ROOT, value: /var/cache/fleetserve/vllm}
+  - {name: HF_HOME, value: /var/cache/fleetserve/huggingface}
+  {{- end }}
+  {{- if .Values.hubToken.existingSecret }}
+  - name: HF_TOKEN
+    valueFrom:
+      secretKeyRef: {name: {{ .Values.hubToken.existingSecret | quote }}, key: {{ .Values.hubToken.key | quote }}}
   {{- end }}
   {{- if $fastPath }}
   {{- /* Serve's fast path in every Ray process, its proxies too (fleetserve.deployments.serve_options.FAST_PATH_ENV). */}}
