@@ -30,9 +30,10 @@ class RecordingClient(LocalModelClient):
         return 200, f"Success: LoRA adapter '{name}' {verb} successfully.".encode()
 
 
-def model(name: str, adapters: dict[str, str] | None = None) -> ModelConfig:
+def model(name: str, adapters: dict[str, str] | None = None, max_model_len: int | None = None) -> ModelConfig:
     lora = {"adapters": [{"name": a, "source": s} for a, s in adapters.items()]} if adapters is not None else None
-    return ModelConfig.model_validate({"name": name, "source": "unused", "lora": lora})
+    return ModelConfig.model_validate({"name": name, "source": "unused", "lora": lora,
+                                       "engine_args": {"max_model_len": max_model_len}})
 
 
 def ingress(fake_engine_cls, models: list[ModelConfig], front_door: FrontDoor | None = None,
@@ -51,11 +52,14 @@ async def call(app, path: str, body: dict | None = None, key: str | None = None)
 
 
 async def test_adapter_names_list_with_their_parent_and_run_on_the_base(fake_engine_cls):
-    router, _ = ingress(fake_engine_cls, [model("base", {"base-sql": "random-lora:1"}), model("other")])
+    router, _ = ingress(fake_engine_cls, [model("base", {"base-sql": "random-lora:1"}, max_model_len=4096),
+                                          model("other")])
     app = router.build_app()
     cards = (await call(app, "/v1/models")).json()["data"]
     assert [(card["id"], card.get("parent")) for card in cards] == [("base", None), ("other", None),
                                                                     ("base-sql", "base")]
+    # The context, as `vllm serve` lists it: an adapter's is its base's; a model leaving it to vLLM lists none.
+    assert [card.get("max_model_len") for card in cards] == [4096, None, 4096]
     assert (await call(app, "/v1/models/base-sql")).json()["parent"] == "base"
     response = await call(app, "/v1/completions", {"model": "base-sql", "prompt": "a b", "max_tokens": 2})
     assert response.status_code == 200

@@ -83,6 +83,9 @@ def test_two_models_each_reached_by_name(client, served):
         assert raw.parse().model == model
     # The two served models plus the routed name `auto` from the suite's model_routing.
     assert sorted(model.id for model in client.models.list()) == sorted([*MODELS, "auto"])
+    # Each card's context as `vllm serve` lists it; the route's is the smaller of its tiers' (tiny's 1024).
+    contexts = {model.id: model.model_extra["max_model_len"] for model in client.models.list()}
+    assert contexts == {"tiny": 1024, "smollm2": 2048, "auto": 1024}
 
 
 @pytest.fixture(scope="module")

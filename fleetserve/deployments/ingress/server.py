@@ -239,8 +239,22 @@ class OpenAIIngress:
         for name, owner, parent in listed:
             if principal is None or principal.may_use(name):
                 card = {"id": name, "object": "model", "created": self.created, "owned_by": owner}
-                cards.append({**card, "parent": parent} if parent is not None else card)
+                if parent is not None:
+                    card["parent"] = parent
+                context = self._max_model_len(name)
+                if context is not None:
+                    card["max_model_len"] = context  # as `vllm serve` lists it: clients size prompts by it
+                cards.append(card)
         return cards
+
+    def _max_model_len(self, name: str) -> int | None:
+        """The context a name's requests get: its model's (an adapter's base's) ``max_model_len``; a route's, the
+        smallest of its tiers' (any tier may answer). None where the config leaves it to vLLM."""
+        names = (list(self.routes.named[name].tiers) if self.routes is not None and name in self.routes.named
+                 else [name])
+        lengths = [config.engine_args.max_model_len if (config := self._config(each)) is not None else None
+                   for each in names]
+        return None if None in lengths else min(lengths)
 
     def _adapter_handler(self, op: AdapterOp) -> Callable[[Request], Awaitable[Response]]:
         async def handler(raw: Request) -> Response:
