@@ -179,13 +179,23 @@ def test_every_gpu_has_six_profiles_and_balanced_layout_fits_its_slices():
         assert sum(spec.profile(p).num_memory_slices for p in balanced) <= 8
 
 
-def test_plan_config_emits_values_the_chart_accepts(tmp_path):
+def planned_models(tmp_path: Path, **models: tuple[dict, int]):
+    """A platform config of models with these config.json shapes and replica counts, at 8 x 4096 tokens."""
+    return parse_config({"models": [
+        {"name": name, "source": str(folder(tmp_path, name, shape)), "replicas": replicas,
+         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}} for name, (shape, replicas) in models.items()]})
+
+
+def rendered_rayservice(values: dict) -> dict:
+    """The RayService helm/fleetserve renders for these values."""
     helm = pytest.importorskip("helm_python")
-    config = parse_config({"models": [
-        {"name": "llama", "source": str(folder(tmp_path, "l", LLAMA_3_8B)), "replicas": 2,
-         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}},
-        {"name": "qwen", "source": str(folder(tmp_path, "q", QWEN2_7B)),
-         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}}]})
+    with helm.Chart.load(str(Path(__file__).resolve().parents[2] / "helm" / "fleetserve")) as chart:
+        manifests = chart.render(values, name="demo", namespace="llm")
+    return yaml.safe_load(manifests["fleetserve/templates/rayservice.yaml"])
+
+
+def test_plan_config_emits_values_the_chart_accepts(tmp_path):
+    config = planned_models(tmp_path, llama=(LLAMA_3_8B, 2), qwen=(QWEN2_7B, 1))
     spec = gpu("h100-80gb")
     plans = plan_config(config, spec, True, PlanInputs())
     assert [plan.slice for plan in plans] == ["3g.40gb", "3g.40gb"]  # qwen needs 17.1e9 > 2g.20gb's 16.9e9
@@ -196,20 +206,13 @@ def test_plan_config_emits_values_the_chart_accepts(tmp_path):
     assert llama["resources"] == {"num_gpus": 1, "custom_resources": {"mig-3g.40gb": 1}}
     # The KV pool is what the slice leaves: 34,926,258,176 - 16,060,522,496 = 18,865,735,680 bytes.
     assert llama["engine_args"]["kv_cache_memory_bytes"] == 18_865_735_680
-    with helm.Chart.load(str(Path(__file__).resolve().parents[2] / "helm" / "fleetserve")) as chart:
-        manifests = chart.render(values, name="demo", namespace="llm")
-    service = yaml.safe_load(manifests["fleetserve/templates/rayservice.yaml"])
+    service = rendered_rayservice(values)
     served = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["platform"]
     assert parse_config(served).model("llama").resources.custom_resources == {"mig-3g.40gb": 1}
 
 
 def test_a_sharded_model_gets_a_group_whose_pods_hold_all_its_gpus(tmp_path):
-    helm = pytest.importorskip("helm_python")
-    config = parse_config({"models": [
-        {"name": "big", "source": str(folder(tmp_path, "b", LLAMA_3_70B)), "replicas": 2,
-         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}},
-        {"name": "small", "source": str(folder(tmp_path, "s", LLAMA_3_8B)),
-         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}}]})
+    config = planned_models(tmp_path, big=(LLAMA_3_70B, 2), small=(LLAMA_3_8B, 1))
     spec = gpu("h100-80gb")
     values = chart_values(config, plan_config(config, spec, False, PlanInputs()), spec, False)
     # Host memory: 1.5 x 141,107,412,992 bytes of weights = 197.1 GiB, rounded up to 198.
@@ -222,9 +225,7 @@ def test_a_sharded_model_gets_a_group_whose_pods_hold_all_its_gpus(tmp_path):
     assert (big.engine_args.tensor_parallel_size, big.resources.num_gpus) == (4, 4)
     assert big.engine_args.kv_cache_memory_bytes == 35_649_404_928  # per GPU, as vLLM reads it
     assert parse_config(values["platform"]).model("small").engine_args.tensor_parallel_size == 1
-    with helm.Chart.load(str(Path(__file__).resolve().parents[2] / "helm" / "fleetserve")) as chart:
-        manifests = chart.render(values, name="demo", namespace="llm")
-    specs = yaml.safe_load(manifests["fleetserve/templates/rayservice.yaml"])["spec"]["rayClusterConfig"]
+    specs = rendered_rayservice(values)["spec"]["rayClusterConfig"]
     gpus = {group["groupName"]: group["rayStartParams"]["num-gpus"] for group in specs["workerGroupSpecs"]}
     assert gpus == {"colocated-4gpu": "4", "colocated-gpu": "1"}
 
