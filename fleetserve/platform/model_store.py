@@ -244,6 +244,11 @@ def tiny_random_llama() -> Path:
     return final
 
 
+def _first_sentence(text: str) -> str:
+    line = next((line for line in text.splitlines() if line.strip()), "")
+    return line.split(". ")[0].rstrip(".")
+
+
 def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS) -> Path:
     """A Hugging Face Hub repository's serving files, downloaded once into Hugging Face's cache (``HF_HOME``, or
     ``HF_HUB_CACHE``; ``HF_TOKEN`` for gated models) with its progress bars, or the cached snapshot when the Hub
@@ -260,7 +265,7 @@ def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS) ->
     except Exception as error:  # noqa: BLE001 - network, auth, not-found and cache errors all end here
         raise ModelSourceError(
             f"model source {repo_id!r} is no local folder, and as a Hugging Face Hub id it could not be fetched "
-            f"({type(error).__name__}: {str(error).splitlines()[-1][:200]}). Without Hub access, download it "
+            f"({type(error).__name__}: {_first_sentence(str(error))}). Without Hub access, download it "
             f"elsewhere (`huggingface-cli download {repo_id} --local-dir DIR`) to a path every node sees and give "
             f"that folder; for a gated model, set HF_TOKEN") from None
     if not (folder / "config.json").exists():

@@ -1,9 +1,14 @@
 """Model store: packaged ids, folders and GGUF files resolve to loadable HF folders; bad sources are clear."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
+from hub_server import hub_app
 from fleetserve.platform import model_store
 from fleetserve.platform.model_store import ModelSourceError, resolve_source
 
@@ -85,3 +90,32 @@ def test_a_hub_id_neither_the_hub_nor_the_cache_has_says_how_to_fetch_it(tmp_pat
     with pytest.raises(ModelSourceError, match=r"could not be fetched .*`huggingface-cli download "
                                                r"meta-llama/Llama-3.1-8B-Instruct --local-dir DIR`.*HF_TOKEN"):
         resolve_source("meta-llama/Llama-3.1-8B-Instruct")
+
+
+HUB_FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"weights", "tokenizer.json": b"{}",
+             "pytorch_model.bin": b"the same weights, pickled"}
+
+
+def resolve_in_a_fresh_process(hub_url: str, cache: Path, config_only: bool = False) -> Path:
+    # huggingface_hub reads its endpoint when imported: a process of its own, as a replica resolves its source.
+    script = ("import sys; from fleetserve.platform.model_store import resolve_source; "
+              f"print(resolve_source('acme/tiny', config_only={config_only}))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_ENDPOINT": hub_url, "HF_HUB_CACHE": str(cache)})
+    assert done.returncode == 0, done.stderr[-2000:]
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+def test_a_hub_id_downloads_its_serving_files_once(tmp_path, loopback_server):
+    fetched: list[str] = []
+    with loopback_server(hub_app("acme/tiny", HUB_FILES, fetched)) as hub:
+        folder = resolve_in_a_fresh_process(hub.url, tmp_path / "hub")
+        # Config, safetensors and tokenizer; not the pickled copy of the same weights.
+        assert sorted(path.name for path in folder.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+        assert (folder / "model.safetensors").read_bytes() == b"weights"
+        assert sorted(fetched) == ["config.json", "model.safetensors", "tokenizer.json"]
+        assert resolve_in_a_fresh_process(hub.url, tmp_path / "hub") == folder
+        assert len(fetched) == 3  # the second resolve found them in the cache
+        # The planner reads a model's shape: its JSON files only, never the weights.
+        planned = resolve_in_a_fresh_process(hub.url, tmp_path / "plan", config_only=True)
+    assert sorted(path.name for path in planned.iterdir()) == ["config.json", "tokenizer.json"]
