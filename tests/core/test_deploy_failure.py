@@ -21,5 +21,6 @@ def test_the_cause_is_the_last_exception_and_its_message():
 
 def test_a_long_message_is_cut_and_one_without_an_exception_keeps_its_end():
     message = "ValueError: bad\n" + "\n".join(f"detail {index}" for index in range(20))
-    assert failure_cause(message).splitlines() == ["ValueError: bad"] + [f"detail {i}" for i in range(MAX_CAUSE_LINES - 1)]
+    kept = ["ValueError: bad"] + [f"detail {index}" for index in range(MAX_CAUSE_LINES - 1)]
+    assert failure_cause(message).splitlines() == kept
     assert failure_cause("the replica was\nkilled\n\n") == "the replica was\nkilled"

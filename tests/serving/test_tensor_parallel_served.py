@@ -53,7 +53,8 @@ def test_three_ranks_answer_as_one_rank_does(served, sharded):
 def test_each_rank_runs_pinned_to_its_own_core(sharded):
     import psutil
 
-    workers = [proc for proc in psutil.process_iter(["name"]) if (proc.info["name"] or "").startswith("VLLM::Worker_TP")]
+    workers = [proc for proc in psutil.process_iter(["name"])
+               if (proc.info["name"] or "").startswith("VLLM::Worker_TP")]
     # "0-1" split between 3 ranks: fewer cores than ranks, so they take turns, "0|1|0" (an engine of one rank runs
     # it inside its engine-core process, so these are this replica's).
     assert sorted(proc.cpu_affinity() for proc in workers) == [[0], [0], [1]]

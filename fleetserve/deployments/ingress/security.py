@@ -133,7 +133,8 @@ class KeyStore:
         """
         self._reload_if_changed()
         if not authorization:
-            raise _unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' (or 'x-api-key: <key>').")
+            raise _unauthorized("You didn't provide an API key. Send it as 'Authorization: Bearer <key>' "
+                                "(or 'x-api-key: <key>').")
         scheme, _, token = authorization.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
             raise _unauthorized("Malformed Authorization header; expected 'Bearer <key>'.")
