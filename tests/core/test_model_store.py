@@ -101,7 +101,7 @@ def resolve_in_a_fresh_process(hub_url: str, cache: Path, config_only: bool = Fa
     script = ("import sys; from fleetserve.platform.model_store import resolve_source; "
               f"print(resolve_source('acme/tiny', config_only={config_only}))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HF_ENDPOINT": hub_url, "HF_HUB_CACHE": str(cache)})
+                          env={**os.environ, "HF_ENDPOINT": hub_url, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"})
     assert done.returncode == 0, done.stderr[-2000:]
     return Path(done.stdout.strip().splitlines()[-1])
 
