@@ -262,3 +262,37 @@ def test_a_key_in_x_api_key_is_checked_as_a_bearer_key(endpoint):
     both = httpx.post(f"{endpoint}/v1/completions", json=body,
                       headers={"Authorization": "Bearer sk-not-a-key", "x-api-key": KEYS["beta"]})
     assert both.status_code == 401
+
+
+def test_each_tenants_tokens_are_counted_per_model_for_showback(endpoint):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for _ in range(2):
+        complete(endpoint, "alpha")
+    for _ in client(endpoint, "alpha").completions.create(model="small", prompt="a b c", max_tokens=2, stream=True):
+        pass
+    complete(endpoint, "beta", model="large")
+    text = httpx.get(f"{endpoint}/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"}).text
+    counted = {(sample.labels["tenant"], sample.labels["model"], sample.labels["kind"]): sample.value
+               for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "fleetserve_tenant_tokens_total"}
+    # The fake engine counts "a b c" as 3 prompt tokens and makes the 2 asked for: alpha's 3 requests (the
+    # stream's usage included) are 9 and 6, beta's one 3 and 2.
+    assert counted == {("alpha", "small", "prompt"): 9.0, ("alpha", "small", "completion"): 6.0,
+                       ("beta", "large", "prompt"): 3.0, ("beta", "large", "completion"): 2.0}
+
+
+def test_each_tenants_cost_is_priced_at_the_models_prices(fake_engine_cls, loopback_server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    priced = ModelConfig(name="small", source="unused", cost_per_million_input_tokens=1.0,
+                         cost_per_million_output_tokens=2.0)
+    server = EngineServer(priced, engine_cls=fake_engine_cls, model_path="/unused")
+    ingress = OpenAIIngress({"small": LocalModelClient(server)}, models={"small": priced},
+                            front_door=FrontDoor(auth_config()))
+    with loopback_server(ingress.build_app()) as loopback:
+        complete(loopback.url, "alpha")
+        text = httpx.get(f"{loopback.url}/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"}).text
+    [cost] = [sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+              if sample.name == "fleetserve_tenant_estimated_cost_dollars_total" and sample.labels["tenant"] == "alpha"]
+    assert cost == pytest.approx((3 * 1.0 + 2 * 2.0) / 1e6)  # 3 prompt tokens at $1/M, 2 completion at $2/M

@@ -24,6 +24,12 @@ class IngressMetrics:
         self.cost = Counter("fleetserve_estimated_cost_dollars",
                             "Estimated cost of served tokens at the model's configured prices.", ["model"],
                             registry=self.registry)
+        self.tenant_tokens = Counter("fleetserve_tenant_tokens", "Tokens served per tenant (auth on), model and "
+                                     "kind (prompt or completion), from the engines' usage.",
+                                     ["tenant", "model", "kind"], registry=self.registry)
+        self.tenant_cost = Counter("fleetserve_tenant_estimated_cost_dollars", "Estimated cost of a tenant's "
+                                   "served tokens at the model's configured prices.", ["tenant", "model"],
+                                   registry=self.registry)
         self.model_route_decisions = Counter("fleetserve_model_route_decisions",
                                              "Cost/quality routing decisions by routed name, chosen model and "
                                              "reason.", ["route", "model", "reason"], registry=self.registry)

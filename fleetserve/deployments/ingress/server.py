@@ -479,7 +479,7 @@ class OpenAIIngress:
         if head.started_at:
             self.platform_metrics.queue_time.labels(model).observe(max(0.0, head.started_at - received_at))
         if head.is_stream:
-            relayed = relay_stream(first, stream, lambda usage: self._account(model, usage, choice))
+            relayed = relay_stream(first, stream, lambda usage: self._account(model, usage, choice, tenant))
             return EventStreamResponse(relayed, status_code=head.status_code,
                                        media_type=head.media_type, headers=headers)
         parts = [first.data]
@@ -490,15 +490,25 @@ class OpenAIIngress:
                 usage = chunk.usage or usage
         except Exception as error:  # noqa: BLE001
             return error_response(as_api_error(error), headers)
-        self._account(model, usage, choice)
+        self._account(model, usage, choice, tenant)
         return Response(b"".join(parts), status_code=head.status_code, media_type=head.media_type, headers=headers)
 
-    def _account(self, model: str, usage: TokenUsage | None, choice: RouteChoice | None = None) -> None:
+    def _account(self, model: str, usage: TokenUsage | None, choice: RouteChoice | None = None,
+                 tenant: str | None = None) -> None:
+        if usage is None:
+            return
+        if tenant is not None:
+            # Showback: what each tenant used of each model (an adapter counts as itself).
+            tokens = self.platform_metrics.tenant_tokens
+            tokens.labels(tenant, model, "prompt").inc(usage.num_prompt_tokens)
+            tokens.labels(tenant, model, "completion").inc(usage.num_completion_tokens)
         config = self._config(model)
-        if config is None or usage is None:
+        if config is None:
             return
         cost = config.request_cost(usage.num_prompt_tokens, usage.num_completion_tokens)
         self.platform_metrics.cost.labels(model).inc(cost)
+        if tenant is not None:
+            self.platform_metrics.tenant_cost.labels(tenant, model).inc(cost)
         strongest = self.models.get(choice.strongest_model) if choice is not None else None
         if strongest is not None:
             saved = strongest.request_cost(usage.num_prompt_tokens, usage.num_completion_tokens) - cost
