@@ -59,6 +59,10 @@ async def test_every_tenant_completes_on_a_priority_engine_with_a_reserved_slot(
         # Each request generates its whole budget: vLLM took every priority (0 up to 10^18 + tags) it was sent.
         assert results == [(200, MAX_TOKENS)] * 8
         metrics = (await http.get("/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"})).text
+    # Showback from the engines' usage: each tenant's completion tokens, all 24 of each of its requests.
+    completion = {labels["tenant"]: value for labels, value in metric_values(metrics, "fleetserve_tenant_tokens_total")
+                  if labels["model"] == MODEL and labels["kind"] == "completion"}
+    assert completion == {"flood": 6 * MAX_TOKENS, "light": MAX_TOKENS, "nightly": MAX_TOKENS}
     held = metric_values(metrics, "fleetserve_slot_held_requests")
     in_flight = metric_values(metrics, "fleetserve_in_flight_requests")
     assert [value for labels, value in held if labels["model"] == MODEL] == [0.0]
