@@ -51,7 +51,7 @@ def serve(
     port = port or config.server.port
 
     from fleetserve.deployments.builders import build_app
-    from fleetserve.deployments.local_run import ClusterError, DeployError, start_ray
+    from fleetserve.deployments.local_run import AppStartError, ClusterError, start_ray
     from fleetserve.deployments.placement import PlacementError
     from fleetserve.deployments.serve_options import HAPROXY_PORT_ENV, local_cluster_runtime_env, serve_runtime_env
     from fleetserve.platform.model_store import ModelSourceError
@@ -93,7 +93,7 @@ def serve(
             while not stop.wait(0.5):
                 pass
             console.print("stopping...")
-    except (ClusterError, PlacementError, DeployError) as error:
+    except (ClusterError, PlacementError, AppStartError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(2 if isinstance(error, PlacementError) else 1) from None
     finally:
@@ -128,7 +128,7 @@ def apply(
     config = _load(config_path)
 
     from fleetserve.deployments.apply import apply_config, plan_change
-    from fleetserve.deployments.local_run import ClusterError, DeployError, join_cluster
+    from fleetserve.deployments.local_run import AppStartError, ClusterError, join_cluster
     from fleetserve.deployments.placement import PlacementError
 
     try:
@@ -154,7 +154,7 @@ def apply(
     try:
         with console.status("applying (new engines take ~30-90 s to start on CPU)"):
             apply_config(config)
-    except DeployError as error:
+    except AppStartError as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(1) from None
     console.print(f"[bold green]applied[/] in {time.monotonic() - started:.0f} s: the platform serves "

@@ -55,7 +55,7 @@ def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix:
 
     Raises:
         ConfigError: as ``plan_change``.
-        DeployError: a deployment failed to start, with its replicas' own error.
+        AppStartError: a deployment failed to start, with its replicas' own error.
     """
     change = plan_change(config, app_name)
     run_application(build_app(config), app_name, route_prefix)

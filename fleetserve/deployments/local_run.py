@@ -18,7 +18,7 @@ from ray.serve.exceptions import RayServeException
 APP_NAME = "fleetserve"
 
 
-# Lines of a failed replica's traceback kept in a DeployError: the exception and its message.
+# Lines of a failed replica's traceback kept in a AppStartError: the exception and its message.
 MAX_CAUSE_LINES = 8
 # A traceback line that starts an exception's message ("ValueError: ...", "pydantic_core...ValidationError: ...").
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit)\b.*:")
@@ -28,7 +28,7 @@ class ClusterError(RuntimeError):
     """No Ray cluster to join; the message says where it looked."""
 
 
-class DeployError(RuntimeError):
+class AppStartError(RuntimeError):
     """The application's deployments did not start; the message names each failed one and why."""
 
 
@@ -59,7 +59,7 @@ def run_application(application: Application, app_name: str = APP_NAME, route_pr
     """``serve.run``, returning once every deployment runs.
 
     Raises:
-        DeployError: a deployment failed to start (say, an engine replica's constructor raised); the message
+        AppStartError: a deployment failed to start (say, an engine replica's constructor raised); the message
             carries each failed deployment's own error, which Serve reports only as "Failed to update".
     """
     try:
@@ -68,7 +68,7 @@ def run_application(application: Application, app_name: str = APP_NAME, route_pr
         failures = deploy_failures(app_name)
         if not failures:
             raise
-        raise DeployError(f"{app_name} did not start:\n" + "\n".join(failures)) from error
+        raise AppStartError(f"{app_name} did not start:\n" + "\n".join(failures)) from error
 
 
 def join_cluster(address: str = "auto", verbose: bool = False) -> None:

@@ -64,14 +64,14 @@ def test_a_replica_that_cannot_start_says_why(served):
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
-    from fleetserve.deployments.local_run import DeployError, run_application
+    from fleetserve.deployments.local_run import AppStartError, run_application
 
     # The tiny model has 2 attention heads: vLLM refuses 3 ranks in the replica's constructor, and Serve itself
     # would report only "Failed to update the deployments".
     config = parse_config({"models": [{**model_entry("tiny-tp3", tensor_parallel_size=3),
                                        "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]}}]})
     try:
-        with pytest.raises(DeployError, match=r"(?s)engine-tiny-tp3: .*divisible by tensor parallel size \(3\)"):
+        with pytest.raises(AppStartError, match=r"(?s)engine-tiny-tp3: .*divisible by tensor parallel size \(3\)"):
             run_application(build_app(config), "tp3", "/tp3")
     finally:
         serve.delete("tp3")
