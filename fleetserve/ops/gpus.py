@@ -11,7 +11,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GB = 10**9
-from fleetserve.platform.config import RAY_MIG_RESOURCE_PREFIX  # noqa: F401 - the ops modules' name for it
 
 
 @dataclass(frozen=True)

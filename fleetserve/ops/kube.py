@@ -12,7 +12,7 @@ from typing import Any
 
 import yaml
 
-from fleetserve.ops.gpus import RAY_MIG_RESOURCE_PREFIX
+from fleetserve.platform.config import RAY_MIG_RESOURCE_PREFIX
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "fleetserve"
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayservices"

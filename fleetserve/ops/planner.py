@@ -22,8 +22,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from fleetserve.platform.config import ModelConfig, PlatformConfig
-from fleetserve.ops.gpus import RAY_MIG_RESOURCE_PREFIX, GpuSpec, MigProfile
+from fleetserve.platform.config import RAY_MIG_RESOURCE_PREFIX, ModelConfig, PlatformConfig
+from fleetserve.ops.gpus import GpuSpec, MigProfile
 
 GiB = 1024**3
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "float8": 1, "int8": 1}

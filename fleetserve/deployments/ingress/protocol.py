@@ -29,6 +29,13 @@ HEADER_DOMAIN_DISTANCE = "x-fleetserve-domain-distance"
 HEADER_SESSION = "x-session-id"
 HEADER_REQUEST_ID = "x-request-id"
 ROUTING_HEADERS = (HEADER_MODEL, HEADER_REPLICA, HEADER_POOL, HEADER_PREFILL_REPLICA, HEADER_ROUTE_REASON)
+# OpenAI's rate-limit headers, x-ratelimit-{limit,remaining,reset}-<kind>, one set per budget a tenant may have.
+RATE_LIMIT_KINDS = ("requests", "tokens")
+RATE_LIMIT_HEADERS = tuple(f"x-ratelimit-{field}-{kind}" for kind in RATE_LIMIT_KINDS
+                           for field in ("limit", "remaining", "reset"))
+# What browser code may read on a cross-origin response (server.cors): routing, rate limits, the request id.
+CORS_EXPOSED_HEADERS = (HEADER_REQUEST_ID, *ROUTING_HEADERS, HEADER_MODEL_ROUTE_REASON, "retry-after",
+                        *RATE_LIMIT_HEADERS)
 
 
 class APIError(Exception):

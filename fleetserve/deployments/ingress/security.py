@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from fleetserve.deployments.ingress.protocol import APIError
+from fleetserve.deployments.ingress.protocol import RATE_LIMIT_KINDS, APIError
 from fleetserve.platform.config import APIKeyConfig, AuthConfig, ConfigError, TenantConfig
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,11 @@ class TokenBucket:
             return math.inf
         return max(0.0, (amount - self.level) / self.rate_per_s)
 
+    def level_at(self, now: float) -> float:
+        """What the bucket holds at ``now``."""
+        self._refill(now)
+        return self.level
+
     def take(self, amount: float) -> None:
         self.level -= amount
 
@@ -253,14 +258,15 @@ class RateLimiter:
             return {}
         now = self.clock()
         headers = {}
-        for kind, limit in (("requests", spec.requests_per_minute), ("tokens", spec.tokens_per_minute)):
+        for kind in RATE_LIMIT_KINDS:
+            limit = getattr(spec, f"{kind}_per_minute")
             if limit is None:
                 continue
             bucket = self._bucket(tenant, kind, limit)
-            bucket.wait_for(0, now)  # refills it to now
+            level = bucket.level_at(now)
             headers[f"x-ratelimit-limit-{kind}"] = number_text(limit)
-            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(bucket.level * self.num_parts)))
-            headers[f"x-ratelimit-reset-{kind}"] = duration_text((bucket.capacity - bucket.level) / bucket.rate_per_s)
+            headers[f"x-ratelimit-remaining-{kind}"] = str(max(0, math.floor(level * self.num_parts)))
+            headers[f"x-ratelimit-reset-{kind}"] = duration_text((bucket.capacity - level) / bucket.rate_per_s)
         return headers
 
 

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from fleetserve.deployments.ingress.protocol import (
+    CORS_EXPOSED_HEADERS,
     HEADER_DOMAIN_DISTANCE,
     HEADER_MODEL,
     HEADER_MODEL_ROUTE_REASON,
@@ -189,7 +190,7 @@ class OpenAIIngress:
             cors = self.cors
             app.add_middleware(CORSMiddleware, allow_origins=cors.allowed_origins, allow_methods=cors.allowed_methods,
                                allow_headers=cors.allowed_headers, allow_credentials=cors.allow_credentials,
-                               expose_headers=cors.expose_headers)
+                               expose_headers=[*CORS_EXPOSED_HEADERS, *cors.expose_headers])
 
         @app.get("/health")
         async def health() -> dict[str, str]:

@@ -12,14 +12,6 @@ from fleetserve.platform.config.base import MiB, Strict
 _SHA256_HEX = r"^[0-9a-f]{64}$"
 
 
-# Response headers browser code may read on a cross-origin response: routing, rate limits, the request id.
-CORS_EXPOSED_HEADERS = ["x-request-id", "x-fleetserve-model", "x-fleetserve-replica", "x-fleetserve-pool",
-                        "x-fleetserve-prefill-replica", "x-fleetserve-route-reason", "x-fleetserve-model-route-reason",
-                        "retry-after", "x-ratelimit-limit-requests", "x-ratelimit-remaining-requests",
-                        "x-ratelimit-reset-requests", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
-                        "x-ratelimit-reset-tokens"]
-
-
 class CorsConfig(Strict):
     """Cross-origin requests from browser code (what `vllm serve`'s --allowed-origins and friends set)."""
 
@@ -30,8 +22,9 @@ class CorsConfig(Strict):
     allowed_headers: list[str] = Field(default_factory=lambda: ["Authorization", "Content-Type", "x-api-key"])
     # Whether browsers may send cookies; the API's keys are bearer tokens, so it needs none.
     allow_credentials: bool = False
-    # Response headers browser code may read, beyond the CORS-safelisted ones.
-    expose_headers: list[str] = Field(default_factory=lambda: list(CORS_EXPOSED_HEADERS))
+    # Response headers browser code may read beyond the CORS-safelisted ones and the platform's own (routing,
+    # rate limits, the request id), which are always exposed.
+    expose_headers: list[str] = Field(default_factory=list)
 
     @model_validator(mode="after")
     def _no_credentials_for_any_origin(self) -> CorsConfig:
