@@ -466,6 +466,7 @@ def bench(
     if api not in ("chat", "completions"):
         raise typer.BadParameter("--api must be chat or completions")
     try:
+        _refuse_other_datasets_options(ctx, dataset_name)
         percentiles = parse_percentiles(metric_percentiles)
         slos = parse_goodput(goodput or [])
         maker = datasets.PromptMaker(_load_tokenizer(tokenizer), random.Random(seed))
@@ -523,25 +524,55 @@ def bench(
         raise typer.Exit(130)
 
 
+# The options that shape one kind of dataset: given with another, they would do nothing.
+DATASET_OPTIONS = {
+    "random": ("random_input_len", "random_output_len", "random_range_ratio", "random_prefix_len"),
+    "shared-prefix": ("shared_prefix_groups", "shared_prefix_len", "shared_suffix_len", "shared_output_len"),
+    "sharegpt": ("dataset_path", "output_len"),
+    "jsonl": ("dataset_path", "output_len"),
+    "trace": ("dataset_path", "trace_start", "trace_duration", "rate_scale", "trace_length_scale", "trace_max_len"),
+}
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    # Typer carries its own click: compare the source by name, not by click's enum.
+    source = ctx.get_parameter_source(name)
+    return source is not None and source.name == "COMMANDLINE"
+
+
+def _option(name: str) -> str:
+    return f"--{name.replace('_', '-')}"
+
+
+def _refuse_other_datasets_options(ctx: typer.Context, dataset_name: str) -> None:
+    """Refuses options of another dataset kind (say --rate-scale without a trace) rather than ignoring them."""
+    from fleetserve.loadtest import datasets
+
+    if dataset_name not in DATASET_OPTIONS:
+        return
+    own = DATASET_OPTIONS[dataset_name]
+    stray = dict.fromkeys(name for names in DATASET_OPTIONS.values() for name in names
+                          if name not in own and _given(ctx, name))
+    if stray:
+        named = [f"{_option(name)} (for {' / '.join(kind for kind, names in DATASET_OPTIONS.items() if name in names)})"
+                 for name in stray]
+        raise datasets.DatasetError(f"--dataset-name {dataset_name} does not read {', '.join(named)}: drop "
+                                    f"{'it' if len(named) == 1 else 'them'}")
+
+
 def _trace_specs(ctx: typer.Context, path: Path, maker, start_s: float, duration_s: float | None, rate_scale: float,
                  length_scale: float, max_len: int | None, num_prompts: int) -> list:
     """A recorded trace's window as requests with their send times; the options that set another
     schedule are refused rather than ignored."""
     from fleetserve.loadtest import datasets
 
-    def given(name: str) -> bool:
-        # Typer carries its own click: compare the source by name, not by click's enum.
-        source = ctx.get_parameter_source(name)
-        return source is not None and source.name == "COMMANDLINE"
-
-    clashing = [f"--{name.replace('_', '-')}" for name in ("request_rate", "burstiness")
-                if given(name)]
+    clashing = [_option(name) for name in ("request_rate", "burstiness") if _given(ctx, name)]
     if clashing:
         raise datasets.DatasetError(f"a trace brings its own arrival times: drop {', '.join(clashing)} "
                                     "(--rate-scale speeds it up)")
     specs = datasets.trace_dataset(path, maker, start_s, duration_s, rate_scale, length_scale, max_len)
     # --num-prompts, when given, takes the window's first N requests.
-    return specs[:num_prompts] if given("num_prompts") else specs
+    return specs[:num_prompts] if _given(ctx, "num_prompts") else specs
 
 
 async def _run_with_progress(config, specs, count_tokens):
@@ -558,7 +589,7 @@ async def _run_with_progress(config, specs, count_tokens):
     failures = 0
     with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("failed {task.fields[failed]}"), TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task(f"{config.model} @ {config.request_rate:g} req/s", total=len(specs), failed=0)
+        task = progress.add_task(f"{config.model} @ {config.schedule}", total=len(specs), failed=0)
 
         def done(record) -> None:
             nonlocal failures

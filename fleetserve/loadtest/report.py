@@ -33,8 +33,7 @@ _LATENCY = [("ttft", "Time to First Token"), ("tpot", "Time per Output Token (ex
 
 def summary_table(result: RunResult) -> Table:
     config = result.config
-    rate = "inf" if math.isinf(config.request_rate) else f"{config.request_rate:g}"
-    title = f"fleetserve bench: {config.model} @ {rate} req/s" + (" (interrupted)" if result.interrupted else "")
+    title = f"fleetserve bench: {config.model} @ {config.schedule}" + (" (interrupted)" if result.interrupted else "")
     table = Table(title=title, show_header=False)
     table.add_column("metric")
     table.add_column("value", justify="right")

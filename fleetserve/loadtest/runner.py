@@ -58,6 +58,13 @@ class BenchConfig:
     api_key: str | None = field(default=None, repr=False)
 
     @property
+    def schedule(self) -> str:
+        """How requests are sent, for titles: a rate, or a recorded trace's replay speed."""
+        if self.dataset.get("dataset_name") == "trace":
+            return f"trace replay x{self.dataset.get('rate_scale', 1.0):g}"
+        return f"{'inf' if math.isinf(self.request_rate) else f'{self.request_rate:g}'} req/s"
+
+    @property
     def model_names(self) -> list[str]:
         return [name.strip() for name in self.model.split(",") if name.strip()]
 

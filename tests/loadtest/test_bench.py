@@ -324,6 +324,21 @@ def test_cli_trace_refuses_a_request_rate(schedule_url, tmp_path):
     run = json.loads((tmp_path / "r.json").read_text())["runs"][0]
     # --num-prompts 3 takes the window's first three; the dataset options are recorded with the result.
     assert run["metrics"]["completed"] == 3 and run["config"]["dataset"]["trace_length_scale"] == 0.1
+    # The summary names the replay, not the unused request rate's default (inf).
+    assert "fleetserve bench: schedule @ trace replay x1" in done.stderr and "@ inf req/s" not in done.stderr
+
+
+def test_cli_refuses_options_of_another_dataset(schedule_url, tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text(TRACE)
+    done = run_cli("--base-url", schedule_url, "--model", "schedule", "--rate-scale", "2")
+    assert done.returncode == 2
+    assert "--dataset-name random does not read --rate-scale (for trace): drop it" in " ".join(done.stderr.split())
+    done = run_cli("--base-url", schedule_url, "--model", "schedule", "--dataset-name", "trace", "--dataset-path",
+                   str(path), "--random-input-len", "5", "--output-len", "3")
+    assert done.returncode == 2
+    assert ("--dataset-name trace does not read --random-input-len (for random), --output-len (for sharegpt / "
+            "jsonl): drop them") in " ".join(done.stderr.split())
 
 
 def test_several_models_spread_requests_by_zipf_popularity():
