@@ -63,6 +63,17 @@ def kill(actor_name: str) -> None:
     ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
 
 
+def engine_core_pids(app: str, deployment: str) -> list[int]:
+    """The pids of the vLLM engine core processes a deployment's Serve replicas on this machine started."""
+    import psutil
+
+    title = f"ray::ServeReplica:{app}:{deployment}"
+    replicas = [process for process in psutil.process_iter(["cmdline"])
+                if " ".join(process.info["cmdline"] or []).startswith(title)]
+    return [child.pid for replica in replicas for child in replica.children(recursive=True)
+            if " ".join(child.cmdline()).startswith("VLLM::EngineCore")]
+
+
 def metric_values(text: str, name: str) -> list[tuple[dict[str, str], float]]:
     """Every sample of one metric in a Prometheus exposition, with its labels."""
     return [(dict(re.findall(r'(\w+)="([^"]*)"', labels)), float(value))

@@ -47,6 +47,8 @@ class FakeEngine:
         self.num_pending_prompt_tokens = 0
         # Every body the app received, parsed, in arrival order.
         self.bodies: list[dict] = []
+        # Set by a test to play a dead engine core.
+        self.errored = False
         self._app = self._build_app()
 
     @classmethod

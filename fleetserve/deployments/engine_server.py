@@ -13,6 +13,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +26,7 @@ from fleetserve.platform.adapter_registry import AdapterOp, AdapterSet
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead
 from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
-from fleetserve.platform.engine import Engine
+from fleetserve.platform.engine import Engine, EngineDeadError
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics, StartupPhase
 from fleetserve.platform.model_store import resolve_source
@@ -123,16 +124,36 @@ class EngineServer:
 
     async def _run(self, request: ApiRequest, body: bytes, started_at: float,
                    prefill_replica_id: str | None = None) -> AsyncIterator[ReplicaChunk]:
+        """The request run through vLLM's app, as chunks of its response.
+
+        Raises:
+            EngineDeadError: before any chunk, when the engine has died (another replica can serve it).
+        """
+        if self.engine.errored:
+            raise EngineDeadError(self.replica_id)
         app = await self._serving_app()
         events = call_app(app, request.endpoint.value, body, request_headers(request))
         head = ResponseHead(0, "", self.replica_id, started_at, prefill_replica_id)
-        async for chunk in relay(events, head, request.strip_usage):
-            if chunk.head is not None and chunk.head.status_code == 404 and chunk.data.startswith(b'{"detail"'):
-                # vLLM's app has no such route for this model (FastAPI's own 404): say so in OpenAI's form.
-                chunk = dataclasses.replace(chunk, data=json.dumps({"error": {
-                    "message": f"model `{self.model.name}` does not serve {request.endpoint.value}",
-                    "type": "not_found_error", "param": None, "code": "endpoint_not_served"}}).encode())
-            yield chunk
+        async with aclosing(relay(events, head, request.strip_usage)) as chunks:
+            async for chunk in chunks:
+                yield self._checked(request, chunk)
+
+    def _checked(self, request: ApiRequest, chunk: ReplicaChunk) -> ReplicaChunk:
+        """A chunk of vLLM's response as the client should get it.
+
+        Raises:
+            EngineDeadError: the head of vLLM's 5xx for a request its engine, dead meanwhile, could not take.
+        """
+        if chunk.head is None:
+            return chunk
+        if chunk.head.status_code >= 500 and self.engine.errored:
+            raise EngineDeadError(self.replica_id)
+        if chunk.head.status_code == 404 and chunk.data.startswith(b'{"detail"'):
+            # vLLM's app has no such route for this model (FastAPI's own 404): say so in OpenAI's form.
+            chunk = dataclasses.replace(chunk, data=json.dumps({"error": {
+                "message": f"model `{self.model.name}` does not serve {request.endpoint.value}",
+                "type": "not_found_error", "param": None, "code": "endpoint_not_served"}}).encode())
+        return chunk
 
     async def change_adapter(self, op: AdapterOp, name: str, source: str | None = None,
                              load_inplace: bool = False) -> tuple[int, bytes]:
@@ -238,7 +259,8 @@ class ServeReplica:
             return {}
         endpoint = getattr(self, "_kv_events_endpoint", None)
         events = KVEventSource(endpoint, self.engine.block_size) if endpoint is not None else None
-        return routing_stats(self.report(self._routing_reporter), events, self.resident_adapter_names)
+        return routing_stats(self.report(self._routing_reporter), events, self.resident_adapter_names,
+                             engine_dead=self.engine.errored)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics hook (every autoscaling metrics_interval_s)."""

@@ -7,7 +7,7 @@ the ingress reads only the few fields it needs (model, limits, routing text) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Any
 
@@ -47,6 +47,8 @@ class RoutingHints:
     prompt: str | list[int] | None = None
     # The LoRA adapter the request asks for (its model name); None for the base model.
     adapter: str | None = None
+    # Replicas whose engine died under this request before it streamed anything: its retry goes elsewhere.
+    avoid_replica_ids: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,11 @@ class ApiRequest:
 
     def __reduce__(self):
         return (ApiRequest, (self.request_id, self.endpoint, self.body, self.strip_usage))
+
+    def avoiding(self, replica_id: str) -> ApiRequest:
+        """This request, to be routed to any replica but ``replica_id`` while another can take it."""
+        hints = replace(self.routing, avoid_replica_ids=self.routing.avoid_replica_ids | {replica_id})
+        return replace(self, routing=hints)
 
 
 @dataclass(frozen=True)

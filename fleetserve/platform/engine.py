@@ -39,6 +39,18 @@ class EngineRequestError(ValueError):
         return (EngineRequestError, (self.message, self.status_code, self.param, self.error_type))
 
 
+class EngineDeadError(RuntimeError):
+    """A replica's engine core has died: it can serve nothing until Serve's health check replaces the replica.
+    Raised before a response starts, so the caller may send the request to another replica."""
+
+    def __init__(self, replica_id: str) -> None:
+        super().__init__(f"replica {replica_id}'s engine has died; Serve is replacing the replica")
+        self.replica_id = replica_id
+
+    def __reduce__(self):  # survives pickling across Ray with its replica
+        return (EngineDeadError, (self.replica_id,))
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """What the API layer asks of one generation; translated to vLLM SamplingParams."""
@@ -342,6 +354,11 @@ class Engine:
     def stats(self) -> EngineStats:
         """The scheduler's last reported state of this engine."""
         return self._recorder.snapshot()
+
+    @property
+    def errored(self) -> bool:
+        """Whether the engine core has died (its process exited or its output loop failed)."""
+        return bool(self._llm.errored)
 
     async def check_health(self) -> None:
         """Raises if the engine core has died."""

@@ -87,6 +87,10 @@ class InstantEngine:
     def stats(self) -> EngineStats:
         return EngineStats()
 
+    @property
+    def errored(self) -> bool:
+        return False
+
     async def check_health(self) -> None:
         pass
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -122,7 +123,17 @@ async def build_openai_app(engine_client: Any, args: Any) -> Any:
     supported_tasks = await engine_client.get_supported_tasks()
     app = build_app(args, supported_tasks, engine_client.model_config)
     await init_app_state(engine_client, app.state, args, supported_tasks)
+    app.state.server = ServerStandIn()
     return app
+
+
+@dataclass
+class ServerStandIn:
+    """What vLLM's engine-error handler takes for ``vllm serve``'s uvicorn server, which it stops once the
+    engine has died. A replica has no server of its own to stop: Serve's health check replaces the replica."""
+
+    # Set by vLLM when the engine has died.
+    should_exit: bool = False
 
 
 def vllm_serve_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 8001) -> list[str]:

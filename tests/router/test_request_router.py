@@ -60,3 +60,27 @@ def test_a_choice_never_accepted_expires(monkeypatch):
     now = serve_adapter.time.monotonic()
     monkeypatch.setattr(serve_adapter.time, "monotonic", lambda: now + serve_adapter.CHOICE_TTL_S + 1)
     assert built._num_in_flight() == {}
+
+
+def ranked_ids(built: FleetserveRequestRouter, replicas: list[SimpleNamespace], request: SimpleNamespace) -> list[str]:
+    return [group[0].replica_id.unique_id for group in asyncio.run(built.choose_replicas(replicas, request))]
+
+
+def test_a_replica_whose_engine_died_is_not_offered():
+    built = router()
+    dead, live = replica("r0"), replica("r1")
+    dead.routing_stats = {"kv_cache_usage": 0.0, "engine_dead": True}
+    # r0 is the adapter's home and idle, so it would rank first; dead, it is not offered at all.
+    assert ranked_ids(built, [dead, live], pending("1")) == ["r1"]
+
+
+def test_a_retry_avoids_the_replica_that_failed_it_while_another_is_live():
+    built = router()
+    request = pending("1")
+    request.args[0] = request.args[0].avoiding("r0")
+    assert ranked_ids(built, [replica("r0"), replica("r1")], request) == ["r1"]
+    # With every candidate dead or avoided, they are all offered: the request fails at once, never hangs.
+    both_dead = [replica("r0"), replica("r1")]
+    for each in both_dead:
+        each.routing_stats = {"engine_dead": True}
+    assert sorted(ranked_ids(built, both_dead, pending("2"))) == ["r0", "r1"]

@@ -168,6 +168,71 @@ async def test_a_stream_cut_off_before_any_output_is_retried(fake_engine_cls):
     assert 'fleetserve_engine_retries_total{model="fake"} 1.0' in app.platform_metrics.exposition().decode()
 
 
+class TwoReplicas:
+    """Two in-process replicas, chosen as fleetserve's Serve router chooses: the first one the request does not
+    avoid (``RoutingHints.avoid_replica_ids``), else the first."""
+
+    def __init__(self, engine_cls) -> None:
+        self.servers = [EngineServer(ModelConfig(name="fake", source="unused"), engine_cls=engine_cls,
+                                     replica_id=f"r{index}", model_path="/unused") for index in range(2)]
+        # The replica each call went to, in order.
+        self.called_ids: list[str] = []
+
+    def forward(self, request):
+        server = next((server for server in self.servers
+                       if server.replica_id not in request.routing.avoid_replica_ids), self.servers[0])
+        self.called_ids.append(server.replica_id)
+        return server.forward(request)
+
+    def route_reason(self, request_id):
+        return None
+
+
+async def test_a_dead_engine_fails_the_request_over_to_another_replica(fake_engine_cls):
+    replicas = TwoReplicas(fake_engine_cls)
+    replicas.servers[0].engine.errored = True
+    app = OpenAIIngress({"fake": replicas}, limits=LimitsConfig(max_unstarted_retries=2))
+    async with http(app) as client:
+        response = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 3})
+    # r0 refused it before any output, so the retry went to r1, which answered; r0's engine never saw it.
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] == "w0 w1 w2"
+    assert replicas.called_ids == ["r0", "r1"] and replicas.servers[0].engine.bodies == []
+    assert 'fleetserve_engine_retries_total{model="fake"} 1.0' in app.platform_metrics.exposition().decode()
+
+
+async def test_a_dead_engine_with_no_other_replica_is_a_503_naming_it(fake_engine_cls):
+    replicas = TwoReplicas(fake_engine_cls)
+    for server in replicas.servers:
+        server.engine.errored = True
+    app = OpenAIIngress({"fake": replicas}, limits=LimitsConfig(max_unstarted_retries=2))
+    async with http(app) as client:
+        response = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "stream": True})
+    error = response.json()["error"]
+    # r0, then r1 (avoiding r0), then with both avoided the first again: 3 calls, then the retries are spent.
+    assert replicas.called_ids == ["r0", "r1", "r0"]
+    assert (response.status_code, error["code"]) == (503, "engine_unavailable")
+    assert error["message"] == ("the model's engine is unavailable (replica r0's engine has died; Serve is replacing "
+                                "the replica); retry shortly")
+    assert app.in_flight == {"fake": 0}
+
+
+def test_vllms_engine_error_handler_stops_the_replicas_stand_in_server():
+    from types import SimpleNamespace
+
+    from vllm.entrypoints.serve.exception_handling.handlers.vllm_error import engine_error_handler
+    from vllm.v1.engine.exceptions import EngineDeadError
+
+    from fleetserve.platform.openai_app import ServerStandIn
+
+    # The state build_openai_app leaves; without a `server` there, vLLM's handler itself raised
+    # AttributeError, and every request to a replica whose engine died got "'State' object has no attribute".
+    state = SimpleNamespace(args=SimpleNamespace(log_error_stack=False), server=ServerStandIn(),
+                            engine_client=SimpleNamespace(errored=True, is_running=False))
+    response = asyncio.run(engine_error_handler(SimpleNamespace(app=SimpleNamespace(state=state),
+                                                                state=SimpleNamespace()), EngineDeadError()))
+    assert response.status_code == 500 and state.server.should_exit
+
+
 @pytest.mark.parametrize("failure", ["send_fails", "client_disconnects"])
 async def test_event_stream_closes_its_iterator_when_the_client_goes(failure):
     from starlette.responses import StreamingResponse

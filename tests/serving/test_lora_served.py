@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster_helpers import kill, replica_actors, wait_until_healthy
+from cluster_helpers import engine_core_pids, kill, replica_actors, wait_until_healthy
 from conftest import Served
 from factories import model_entry
 
@@ -164,3 +164,37 @@ def test_a_replica_started_later_serves_the_current_adapter_set(lora_app, refere
     # The new replica synced to the set with tiny-d before its first request, and says so at its push.
     assert progress == (2, 2)
     assert served_outputs(lora_app.api_url, "tiny-d") == reference["tiny-d"]
+
+
+def test_a_replica_whose_engine_died_is_routed_around_until_replaced(lora_app):
+    import os
+    import signal
+
+    from fleetserve.deployments.serve_options import deployment_name
+
+    deployment = deployment_name(lora_app.config.models[0])
+    assert wait_until_healthy("lora") < float("inf")
+    before = replica_actors(deployment)
+    engine_pids = engine_core_pids("lora", deployment)
+    assert len(before) == len(engine_pids) == 2
+    os.kill(engine_pids[0], signal.SIGKILL)  # one engine dies; its replica lives on, unhealthy
+    time.sleep(0.5)  # vLLM's monitor marks the engine dead when its process goes
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return await asyncio.gather(*(client.post(f"{lora_app.api_url}/completions", json={
+                "model": BASE, "prompt": f"{index} {PROMPTS[index % len(PROMPTS)]}", "max_tokens": 8})
+                for index in range(12)))
+
+    responses = asyncio.run(burst())
+    # 12 at once exceed the balance threshold, so the router spreads them over both replicas. Each one the
+    # dead replica got was refused before any output and sent to the live one (before, each was a 500
+    # "'State' object has no attribute 'server'" until Serve's health check replaced the replica).
+    assert [response.status_code for response in responses] == [200] * 12, [r.text for r in responses]
+    assert len({response.headers["x-fleetserve-replica"] for response in responses}) == 1  # the live one
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and (set(replica_actors(deployment)) >= set(before)
+                                           or len(replica_actors(deployment)) < 2):
+        time.sleep(1)
+    # Serve's health check replaced the replica whose engine died.
+    assert len(set(before) - set(replica_actors(deployment))) == 1 and wait_until_healthy("lora") < float("inf")

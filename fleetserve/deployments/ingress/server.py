@@ -58,8 +58,8 @@ from fleetserve.deployments.ingress.route_ledger import RouteLedger
 from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
 from fleetserve.deployments.ingress.fair_queue import priority
-from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_api_error, cut_off_error, error_response,
-                                                     relay_stream, until_final)
+from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_api_error, cut_off_error, dead_replica_id,
+                                                      error_response, relay_stream, until_final)
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import (AuthConfig, CorsConfig, LimitsConfig, ModelConfig, ModelRoutingConfig,
@@ -546,6 +546,9 @@ class OpenAIIngress:
                 api_error = cut_off_error()
             except Exception as error:  # noqa: BLE001 - every engine failure becomes an API error
                 api_error = as_api_error(error)
+                dead = dead_replica_id(error)
+                if dead is not None:
+                    request = request.avoiding(dead)
             if api_error.code != "engine_unavailable" or num_retries == self.limits.max_unstarted_retries:
                 raise api_error
             num_retries += 1

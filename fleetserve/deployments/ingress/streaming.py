@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.platform.api_types import ReplicaChunk, TokenUsage
-from fleetserve.platform.engine import EngineRequestError
+from fleetserve.platform.engine import EngineDeadError, EngineRequestError
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +29,21 @@ def as_api_error(error: BaseException) -> APIError:
         cause = error
     if isinstance(cause, EngineRequestError):
         return APIError(cause.message, cause.status_code, cause.error_type, cause.param)
+    if isinstance(cause, EngineDeadError):
+        return APIError(f"the model's engine is unavailable ({cause}); retry shortly", 503, "service_unavailable",
+                        code="engine_unavailable")
     name = type(error).__name__
     if "ActorDied" in name or "ActorUnavailable" in name or "BackPressure" in name:
         return APIError(f"the model's engine is unavailable ({name}); retry shortly", 503,
                         "service_unavailable", code="engine_unavailable")
     logger.exception("request failed in the engine", exc_info=error)
     return APIError(f"internal error in the engine: {name}: {cause}", 500, "internal_error")
+
+
+def dead_replica_id(error: BaseException) -> str | None:
+    """The replica whose dead engine failed the request (possibly wrapped by Ray); None for other failures."""
+    cause = getattr(error, "cause", None) or error
+    return cause.replica_id if isinstance(cause, EngineDeadError) else None
 
 
 def cut_off_error() -> APIError:

@@ -40,10 +40,11 @@ class KVEventSource:
 
 
 def routing_stats(report: ReplicaReport, kv_events: KVEventSource | None = None,
-                  adapter_names: Sequence[str] = ()) -> dict[str, Any]:
+                  adapter_names: Sequence[str] = (), engine_dead: bool = False) -> dict[str, Any]:
     """What a replica returns from Serve's ``record_routing_stats`` hook."""
     stats: dict[str, Any] = {"kv_cache_usage": report.kv_cache_usage, "num_running": report.num_running,
-                             "num_waiting": report.num_waiting, "adapter_names": list(adapter_names)}
+                             "num_waiting": report.num_waiting, "adapter_names": list(adapter_names),
+                             "engine_dead": engine_dead}
     if kv_events is not None:
         stats.update(kv_events_endpoint=kv_events.endpoint, kv_block_size=kv_events.block_size)
     return stats
@@ -57,13 +58,24 @@ class RoutingStats:
     kv_events: KVEventSource | None
     # The LoRA adapters its engine holds.
     adapter_names: frozenset[str] = frozenset()
+    # Its engine has died: it fails every request until Serve's health check replaces it.
+    engine_dead: bool = False
 
     @classmethod
     def of(cls, replica: RunningReplica) -> RoutingStats:
         stats = replica.routing_stats or {}
         events = (KVEventSource(stats["kv_events_endpoint"], int(stats["kv_block_size"]))
                   if "kv_events_endpoint" in stats else None)
-        return cls(stats.get("kv_cache_usage"), events, frozenset(stats.get("adapter_names", ())))
+        return cls(stats.get("kv_cache_usage"), events, frozenset(stats.get("adapter_names", ())),
+                   bool(stats.get("engine_dead", False)))
+
+
+def serving_candidates(candidates: list[RunningReplica], avoid_replica_ids: frozenset[str]) -> list[RunningReplica]:
+    """The candidates without those whose engine has died or that failed this request already, unless that
+    leaves none: a dead replica then answers at once that it cannot serve, where waiting would hang."""
+    kept = [replica for replica in candidates if not RoutingStats.of(replica).engine_dead
+            and replica.replica_id.unique_id not in avoid_replica_ids]
+    return kept or candidates
 
 
 def routing_hints(request: Any) -> RoutingHints | None:
@@ -171,6 +183,9 @@ class FleetserveRequestRouter(RequestRouter):
             return [candidate_replicas]
         pending_request.routing_context.should_backoff = True
         request = pending_request.args[0]
+        hints = routing_hints(request)
+        candidate_replicas = serving_candidates(candidate_replicas,
+                                                hints.avoid_replica_ids if hints is not None else frozenset())
         text, session_id, adapter = request_text(request)
         if self.event_keys is not None:
             self.event_keys.follow(candidate_replicas)
