@@ -51,6 +51,12 @@ class EngineDeadError(RuntimeError):
         return (EngineDeadError, (self.replica_id,))
 
 
+def dead_replica_id(error: BaseException) -> str | None:
+    """The replica whose dead engine failed a request (the error possibly wrapped by Ray); None for others."""
+    cause = getattr(error, "cause", None) or error
+    return cause.replica_id if isinstance(cause, EngineDeadError) else None
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     """What the API layer asks of one generation; translated to vLLM SamplingParams."""

@@ -249,6 +249,29 @@ async def test_failing_prefill_pool_is_a_clear_503(cluster):
     assert (stats[0].num_running, stats[0].kv_cache_usage) == (0, 0.0)
 
 
+async def test_a_prefill_retry_avoids_the_replica_whose_engine_died(cluster):
+    from fleetserve.platform.engine import EngineDeadError
+
+    class DyingPool:
+        # What each call's routing hints told the router to avoid.
+        avoided: list[frozenset[str]] = []
+
+        async def prefill(self, request):
+            DyingPool.avoided.append(request.routing.avoid_replica_ids)
+            raise EngineDeadError("p0")
+
+        async def num_running_replicas(self):
+            return 1
+
+    decode = cluster.decode[0]
+    decode.prefill_client = DyingPool()
+    with pytest.raises(EngineRequestError) as raised:
+        await run(decode, prompts(length_seed=19)[2], "dead-engine")
+    # The second attempt asks the prefill pool's router for any replica but p0.
+    assert DyingPool.avoided == [frozenset(), frozenset({"p0"})]
+    assert raised.value.status_code == 503 and "replica p0's engine has died" in raised.value.message
+
+
 class VanishingPool:
     """A prefill pool whose replicas are gone: Serve would queue a prefill until one runs (it never answers
     here). ``running`` is the replica count it reports on each look, the last one repeated."""

@@ -13,6 +13,7 @@ Serve subclass, whose client is the prefill deployment's handle.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -34,7 +35,7 @@ from fleetserve.deployments.ingress.request_fields import read_fields
 from fleetserve.deployments.serve_options import data_path_handle_options
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead, RoutingHints
 from fleetserve.platform.config import ModelConfig
-from fleetserve.platform.engine import Engine, EngineRequestError
+from fleetserve.platform.engine import Engine, EngineRequestError, dead_replica_id
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.openai_app import responses_store_enabled
 
@@ -184,6 +185,9 @@ class DecodeServer(EngineServer):
                 errors.append(f"no answer within prefill_timeout_s={self.settings.prefill_timeout_s:g}")
             except Exception as error:  # noqa: BLE001 - a dead or failing prefill replica: try another
                 errors.append(f"{type(error).__name__}: {error}"[:300])
+                dead = dead_replica_id(error)
+                if dead is not None:
+                    routing = dataclasses.replace(routing, avoid_replica_ids=routing.avoid_replica_ids | {dead})
             logger.warning("prefill attempt %d/%d for %s failed: %s", attempt,
                            self.settings.max_prefill_attempts, request.request_id, errors[-1])
         raise _unavailable(f"prefill failed on {len(errors)} attempt(s); retry shortly. Last error: {errors[-1]}")

@@ -58,14 +58,15 @@ from fleetserve.deployments.ingress.route_ledger import RouteLedger
 from fleetserve.deployments.ingress.request_fields import MAX_TOKENS_FIELDS, RequestFields, parse_body, read_body, read_fields
 from fleetserve.deployments.ingress.security import FrontDoor, Principal, estimated_tokens
 from fleetserve.deployments.ingress.fair_queue import priority
-from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_api_error, cut_off_error, dead_replica_id,
-                                                      error_response, relay_stream, until_final)
+from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_api_error, cut_off_error, error_response,
+                                                      relay_stream, until_final)
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import (AuthConfig, CorsConfig, LimitsConfig, ModelConfig, ModelRoutingConfig,
                                         PlatformConfig)
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.middleware import FrontDoorMiddleware
+from fleetserve.platform.engine import dead_replica_id
 from fleetserve.platform.metrics import merge_expositions
 from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, routing_text
 

@@ -40,12 +40,6 @@ def as_api_error(error: BaseException) -> APIError:
     return APIError(f"internal error in the engine: {name}: {cause}", 500, "internal_error")
 
 
-def dead_replica_id(error: BaseException) -> str | None:
-    """The replica whose dead engine failed the request (possibly wrapped by Ray); None for other failures."""
-    cause = getattr(error, "cause", None) or error
-    return cause.replica_id if isinstance(cause, EngineDeadError) else None
-
-
 def cut_off_error() -> APIError:
     """A replica's stream that ended before its final chunk: something between the engine and here broke
     off, so the error is the one a replica's death gives (and, before any chunk, the request is retried)."""
