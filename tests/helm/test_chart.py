@@ -307,3 +307,115 @@ def test_keda_example_queries_are_valid_promql(tmp_path):
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(
         {"groups": [{"name": "bad", "rules": [{"record": "bad", "expr": "derivv(up[1m])"}]}]}))
     assert subprocess.run(["promtool", "check", "rules", str(tmp_path / "bad.yaml")], capture_output=True).returncode != 0
+
+
+needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
+                                    reason="promtool not installed (Debian's prometheus package; make test installs it)")
+
+
+# fleetserve's PrometheusRule: its alerts load in Prometheus (promtool check rules) and fire on exactly the
+# conditions they describe (promtool test rules, on hand-written series).
+def rules(values: dict[str, Any] | None = None) -> dict[str, Any]:
+    rule = {"enabled": True, "alertLabels": {"team": "llm"}, **(values or {})}
+    return find(render({"monitoring": {"prometheusRule": rule}}), "PrometheusRule")
+
+
+def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(["promtool", *args], capture_output=True, text=True, timeout=60, cwd=cwd)
+
+
+@needs_promtool
+def test_alert_rules_load_in_prometheus(tmp_path):
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rules()["spec"]["groups"]}))
+    done = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS: 7 rules found" in done.stdout
+
+
+def alert(name: str, labels: dict[str, str], summary: str, by_name: dict[str, Any]) -> dict[str, Any]:
+    return {"exp_labels": {**labels, "severity": by_name[name]["labels"]["severity"], "team": "llm"},
+            "exp_annotations": {"summary": summary, "description": by_name[name]["annotations"]["description"]}}
+
+
+@needs_promtool
+def test_each_alert_fires_on_its_condition_and_not_beside_it(tmp_path):
+    rule = rules()
+    by_name = {each["alert"]: each for each in rule["spec"]["groups"][0]["rules"]}
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": rule["spec"]["groups"]}))
+    requests = 'fleetserve_requests_total{{model="{model}", route="/v1/completions", status="{status}"}}'
+    series = [
+        # m: 90 ok and 10 failed per minute, 10% server errors; busy: half refused with 503, no server error.
+        {"series": requests.format(model="m", status="200"), "values": "0+90x30"},
+        {"series": requests.format(model="m", status="500"), "values": "0+10x30"},
+        {"series": requests.format(model="busy", status="200"), "values": "0+50x30"},
+        {"series": requests.format(model="busy", status="503"), "values": "0+50x30"},
+        {"series": 'fleetserve_admission_rejections_total{model="busy", bound="queue"}', "values": "0+50x30"},
+        # m's two replicas average 0.925 > 0.9; n's average 0.745 though one replica is at 0.99.
+        {"series": 'vllm:kv_cache_usage_perc{model_name="m", pool="colocated", replica="r0"}', "values": "0.95x30"},
+        {"series": 'vllm:kv_cache_usage_perc{model_name="m", pool="colocated", replica="r1"}', "values": "0.9x30"},
+        {"series": 'vllm:kv_cache_usage_perc{model_name="n", pool="colocated", replica="r0"}', "values": "0.99x30"},
+        {"series": 'vllm:kv_cache_usage_perc{model_name="n", pool="colocated", replica="r1"}', "values": "0.5x30"},
+        # 6 preemptions a minute: 0.1 per second.
+        {"series": 'vllm:num_preemptions_total{model_name="m", replica="r0"}', "values": "0+6x30"},
+        # Every first token of m in (1, 2.5] s: p99 = 1 + 1.5 x 0.99 = 2.485 s; n's all within 1 s.
+        {"series": 'vllm:time_to_first_token_seconds_bucket{model_name="m", le="1"}', "values": "0x30"},
+        {"series": 'vllm:time_to_first_token_seconds_bucket{model_name="m", le="2.5"}', "values": "0+10x30"},
+        {"series": 'vllm:time_to_first_token_seconds_bucket{model_name="m", le="+Inf"}', "values": "0+10x30"},
+        {"series": 'vllm:time_to_first_token_seconds_bucket{model_name="n", le="1"}', "values": "0+10x30"},
+        {"series": 'vllm:time_to_first_token_seconds_bucket{model_name="n", le="2.5"}', "values": "0+10x30"},
+        {"series": 'vllm:time_to_first_token_seconds_bucket{model_name="n", le="+Inf"}', "values": "0+10x30"},
+        # One retry of m at minute 3.
+        {"series": 'fleetserve_engine_retries_total{model="m"}', "values": "0 0 0 1x27"},
+        # m's requests held for good; n's held once, then released.
+        {"series": 'fleetserve_held_requests{model="m"}', "values": "3x30"},
+        {"series": 'fleetserve_held_requests{model="n"}', "values": "3 3 0x28"},
+    ]
+    expected = {
+        "FleetserveServerErrors": [alert("FleetserveServerErrors", {"model": "m"},
+                                         "m: 10% of responses are server errors", by_name)],
+        "FleetserveRefusingRequests": [alert("FleetserveRefusingRequests", {"model": "busy"},
+                                             "busy: 50% of requests refused at admission (503)", by_name)],
+        "FleetserveKVCacheFull": [alert("FleetserveKVCacheFull", {"model_name": "m", "pool": "colocated"},
+                                        "m (colocated pool): KV cache 92.5% used", by_name)],
+        "FleetservePreempting": [alert("FleetservePreempting", {"model_name": "m"},
+                                       "m: engines preempt 0.1 requests/s", by_name)],
+        "FleetserveSlowFirstToken": [alert("FleetserveSlowFirstToken", {"model_name": "m"},
+                                           "m: p99 time to first token 2.485s", by_name)],
+        "FleetserveReplicaFailures": [alert("FleetserveReplicaFailures", {"model": "m"}, "m: requests re-sent in the "
+                                            "last 10 minutes after their replica failed", by_name)],
+        "FleetserveColdStartStuck": [alert("FleetserveColdStartStuck", {"model": "m"},
+                                           "m: requests held for 10 minutes waiting for a replica to start", by_name)],
+    }
+    retried = expected.pop("FleetserveReplicaFailures")
+    # At 20 minutes every other condition has held longer than its `for`; at 4 minutes none has yet.
+    cases = [{"eval_time": "20m", "alertname": name, "exp_alerts": alerts} for name, alerts in expected.items()]
+    cases += [{"eval_time": "4m", "alertname": name, "exp_alerts": []} for name in expected]
+    # The retry (no `for`) alerts while it lies within the 10-minute window: at 4 and 12 minutes (windows from
+    # minute 2), not at 14 (the window from minute 4 holds no increase).
+    cases += [{"eval_time": at, "alertname": "FleetserveReplicaFailures", "exp_alerts": alerts}
+              for at, alerts in (("2m", []), ("4m", retried), ("12m", retried), ("14m", []))]
+    (tmp_path / "test.yaml").write_text(yaml.safe_dump({
+        "rule_files": ["rules.yaml"], "evaluation_interval": "1m",
+        "tests": [{"interval": "1m", "input_series": series, "alert_rule_test": cases}]}))
+    done = promtool("test", "rules", "test.yaml", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_thresholds_come_from_values():
+    rule = rules({"serverErrorRatio": 0.2, "kvCacheUsage": 0.75, "ttftP99Seconds": 0.5, "refusedRatio": 0.1})
+    exprs = {each["alert"]: each["expr"] for each in rule["spec"]["groups"][0]["rules"]}
+    assert exprs["FleetserveServerErrors"].endswith("> 0.2")
+    assert exprs["FleetserveRefusingRequests"].endswith("> 0.1")
+    assert exprs["FleetserveKVCacheFull"].endswith("> 0.75")
+    assert exprs["FleetserveSlowFirstToken"].endswith("> 0.5")
+
+
+def test_every_alert_metric_is_one_fleetserve_documents():
+    import re
+
+    documented = set(re.findall(r"^\| `([a-z_:]+)` \|", (ROOT / "docs" / "metrics.md").read_text(), re.M))
+    exprs = [each["expr"] for each in rules()["spec"]["groups"][0]["rules"]]
+    used = {re.sub(r"_bucket$", "", name) for expr in exprs
+            for name in re.findall(r"\b(vllm:[a-z0-9_]+|fleetserve_[a-z0-9_]+)", expr)}
+    # A misspelt metric would leave its alert silent for good.
+    assert len(used) == 7 and used <= documented, used - documented
