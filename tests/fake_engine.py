@@ -165,6 +165,10 @@ class FakeEngine:
     def stats(self) -> EngineStats:
         return EngineStats(num_running=len(self.running), num_finished=self.num_finished)
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.running)
+
     async def check_health(self) -> None:
         pass
 

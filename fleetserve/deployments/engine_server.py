@@ -33,6 +33,7 @@ from fleetserve.platform.model_store import resolve_source
 from fleetserve.platform.relay import relay, request_headers
 from fleetserve.platform.replica_adapters import ReplicaAdapters
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
+from fleetserve.platform.stall import StallWatch
 from fleetserve.platform.stats import EngineStats
 from fleetserve.platform.unread_params import RequestCheck
 from fleetserve.router.replica.serve_adapter import KVEventSource, routing_stats
@@ -81,6 +82,7 @@ class EngineServer:
         self.adapters = ReplicaAdapters(path) if model.lora is not None else None
         self.resident_adapter_names: list[str] = []
         self.request_check = RequestCheck(self._chat_template())
+        self._stall = StallWatch(model.stall_timeout_s) if model.stall_timeout_s is not None else None
 
     def _chat_template(self) -> str | None:
         from fleetserve.platform.openai_app import chat_template_text
@@ -181,7 +183,10 @@ class EngineServer:
         return self.engine.stats()
 
     async def check_health(self) -> None:
+        """Raises if the engine has died, or has stalled for longer than the model's ``stall_timeout_s``."""
         await self.engine.check_health()
+        if self._stall is not None:
+            self._stall.check(self.engine.num_unfinished_requests, self.engine.stats().updated_at, time.time())
 
     def report(self, reporter: ReplicaReporter) -> ReplicaReport:
         """This replica's report to one reader, its rates over the interval since that reader's previous one."""

@@ -366,6 +366,11 @@ class Engine:
         """Whether the engine core has died (its process exited or its output loop failed)."""
         return bool(self._llm.errored)
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests the engine has taken and not finished."""
+        return int(self._llm.get_num_unfinished_requests())
+
     async def check_health(self) -> None:
         """Raises if the engine core has died."""
         await self._llm.check_health()

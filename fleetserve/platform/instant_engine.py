@@ -91,6 +91,10 @@ class InstantEngine:
     def errored(self) -> bool:
         return False
 
+    @property
+    def num_unfinished_requests(self) -> int:
+        return 0
+
     async def check_health(self) -> None:
         pass
 

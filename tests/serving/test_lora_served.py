@@ -31,7 +31,8 @@ MAX_TOKENS = 12
 @pytest.fixture(scope="module")
 def lora_app(served):
     """The tiny model on 2 replicas (one per core) with two adapters. Each engine holds one adapter at a time
-    (max_cpu_loras 1), so where an adapter's requests go decides how often engines reload it."""
+    (max_cpu_loras 1), so where an adapter's requests go decides how often engines reload it. An engine that
+    holds requests 20 s without a step counts as hung (its steps here take milliseconds)."""
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
@@ -39,6 +40,7 @@ def lora_app(served):
 
     config = parse_config({"models": [{
         **model_entry(BASE), "replicas": 2, "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]},
+        "stall_timeout_s": 20,
         "lora": {"adapters": [{"name": n, "source": s} for n, s in CONFIGURED.items()],
                  "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": 8},
         "routing": {"policy": "cache_aware", "balance_abs_threshold": 2, "balance_rel_threshold": 1.5}}]})
@@ -197,4 +199,38 @@ def test_a_replica_whose_engine_died_is_routed_around_until_replaced(lora_app):
                                            or len(replica_actors(deployment)) < 2):
         time.sleep(1)
     # Serve's health check replaced the replica whose engine died.
+    assert len(set(before) - set(replica_actors(deployment))) == 1 and wait_until_healthy("lora") < float("inf")
+
+
+def test_a_replica_whose_engine_hangs_is_replaced_and_its_requests_served(lora_app):
+    import os
+    import signal
+
+    from fleetserve.deployments.serve_options import deployment_name
+
+    deployment = deployment_name(lora_app.config.models[0])
+    assert wait_until_healthy("lora") < float("inf")
+    before = replica_actors(deployment)
+    engine_pids = engine_core_pids("lora", deployment)
+    assert len(before) == len(engine_pids) == 2
+    os.kill(engine_pids[0], signal.SIGSTOP)  # hung: neither dead nor erring, so vLLM's health check passes
+    try:
+        async def burst() -> list[httpx.Response]:
+            async with httpx.AsyncClient(timeout=280) as client:
+                return await asyncio.gather(*(client.post(f"{lora_app.api_url}/completions", json={
+                    "model": BASE, "prompt": f"{index} {PROMPTS[index % len(PROMPTS)]}", "max_tokens": 8})
+                    for index in range(12)))
+
+        responses = asyncio.run(burst())
+    finally:
+        if os.path.exists(f"/proc/{engine_pids[0]}"):
+            os.kill(engine_pids[0], signal.SIGKILL)
+    # The requests the hung engine held waited until its replica failed its health check (a 20 s stall, then
+    # Serve's 3 failed checks 10 s apart) and was stopped; none had output, so each was sent again and served
+    # by the other replica. Otherwise they would wait for their 300 s progress timeout, past the client's 280 s.
+    assert [response.status_code for response in responses] == [200] * 12, [r.text for r in responses]
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and (set(replica_actors(deployment)) >= set(before)
+                                           or len(replica_actors(deployment)) < 2):
+        time.sleep(1)
     assert len(set(before) - set(replica_actors(deployment))) == 1 and wait_until_healthy("lora") < float("inf")

@@ -39,6 +39,9 @@ class ModelConfig(Strict):
     resources: Resources = Field(default_factory=Resources)
     # Requests one replica holds at once before Serve queues them in front of it.
     max_ongoing_requests: int = Field(default=256, gt=0)
+    # Seconds a replica's engine may hold unfinished requests without finishing a step before the replica
+    # counts as unhealthy and Serve replaces it: a hung kernel or collective neither dies nor errs. None: never.
+    stall_timeout_s: float | None = Field(default=120.0, gt=0)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     # Prices for cost estimates (fleetserve_estimated_cost_dollars), in dollars per 1M tokens.
     cost_per_million_input_tokens: float = Field(default=0.0, ge=0)
