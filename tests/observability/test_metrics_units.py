@@ -132,3 +132,31 @@ def test_dashboard_covers_the_asked_panels():
                    "fleetserve_requests_total", "fleetserve_routing_decisions_total",
                    "fleetserve_estimated_cost_dollars_total"):
         assert needed in names
+
+
+async def test_metrics_answer_without_the_engines_when_the_hub_hangs(monkeypatch):
+    import asyncio
+
+    import httpx
+
+    from fleetserve.deployments.ingress import server as ingress_server
+
+    monkeypatch.setattr(ingress_server, "METRICS_SOURCE_TIMEOUT_S", 0.2)
+    hub_calls = []
+
+    async def hub() -> tuple[list[bytes], dict]:
+        hub_calls.append(1)
+        if len(hub_calls) == 1:
+            await asyncio.sleep(3600)  # the hung hub: Serve replaces it in about a minute
+        return [b'vllm:num_requests_running{model_name="m",replica="r0",pool="colocated"} 2.0\n'], {("m", "colocated"): 1}
+
+    app = ingress_server.OpenAIIngress({}, metrics_source=hub)
+    transport = httpx.ASGITransport(app=app.build_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
+        hung = await client.get("/metrics")
+        answered = await client.get("/metrics")
+    # The first scrape got the ingress's own metrics, counted as incomplete, instead of hanging for the hub.
+    assert hung.status_code == 200 and "vllm:" not in hung.text
+    assert samples(hung.content)[("fleetserve_scrapes_without_engines_total", ())] == 1.0
+    assert samples(answered.content)[("vllm:num_requests_running",
+                                      (("model_name", "m"), ("pool", "colocated"), ("replica", "r0")))] == 2.0

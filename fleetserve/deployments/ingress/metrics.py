@@ -62,6 +62,9 @@ class IngressMetrics:
                                     buckets=[1, 2.5, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600])
         self.engine_retries = Counter("fleetserve_engine_retries", "Requests sent again because their replica "
                                       "failed before streaming anything.", ["model"], registry=self.registry)
+        self.scrapes_without_engines = Counter("fleetserve_scrapes_without_engines", "Scrapes of /metrics answered "
+                                               "without the engines' metrics: the metrics hub did not answer in time.",
+                                               registry=self.registry)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

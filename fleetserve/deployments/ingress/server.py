@@ -84,6 +84,8 @@ HEADER_ADAPTER_REPLICAS = "x-fleetserve-adapter-replicas"
 ADAPTER_WAIT_S = 60.0
 # Paths anyone may call when auth is on: liveness and the API's schema.
 OPEN_PATHS = ("/health", "/openapi.json", "/docs")
+# The longest /metrics waits for the engines' metrics from the hub; Prometheus's scrape timeout is 10 s.
+METRICS_SOURCE_TIMEOUT_S = 5.0
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
 
@@ -348,10 +350,18 @@ class OpenAIIngress:
         return principal.tenant, tokens
 
     async def metrics_exposition(self) -> bytes:
-        """The ingress's fleetserve_* metrics plus every live engine replica's vllm:* metrics."""
+        """The ingress's fleetserve_* metrics plus every live engine replica's vllm:* metrics; without the
+        latter when the metrics hub does not answer within ``METRICS_SOURCE_TIMEOUT_S`` (a hung hub, until
+        Serve replaces it, must not fail every scrape)."""
         engine_texts: list[bytes] = []
         if self.metrics_source is not None:
-            engine_texts, replica_counts = await self.metrics_source()
+            try:
+                engine_texts, replica_counts = await asyncio.wait_for(self.metrics_source(), METRICS_SOURCE_TIMEOUT_S)
+            except TimeoutError:
+                logger.warning("the metrics hub did not answer in %g s: /metrics without the engines' metrics",
+                               METRICS_SOURCE_TIMEOUT_S)
+                self.platform_metrics.scrapes_without_engines.inc()
+                return self.platform_metrics.exposition()
             self.platform_metrics.replicas.clear()
             for (model, pool), count in replica_counts.items():
                 self.platform_metrics.replicas.labels(model, pool).set(count)
