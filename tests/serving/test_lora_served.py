@@ -168,41 +168,20 @@ def test_a_replica_started_later_serves_the_current_adapter_set(lora_app, refere
     assert served_outputs(lora_app.api_url, "tiny-d") == reference["tiny-d"]
 
 
-def test_a_replica_whose_engine_died_is_routed_around_until_replaced(lora_app):
-    import os
-    import signal
-
-    from fleetserve.deployments.serve_options import deployment_name
-
-    deployment = deployment_name(lora_app.config.models[0])
-    assert wait_until_healthy("lora") < float("inf")
-    before = replica_actors(deployment)
-    engine_pids = engine_core_pids("lora", deployment)
-    assert len(before) == len(engine_pids) == 2
-    os.kill(engine_pids[0], signal.SIGKILL)  # one engine dies; its replica lives on, unhealthy
-    time.sleep(0.5)  # vLLM's monitor marks the engine dead when its process goes
-
-    async def burst() -> list[httpx.Response]:
-        async with httpx.AsyncClient(timeout=60) as client:
-            return await asyncio.gather(*(client.post(f"{lora_app.api_url}/completions", json={
+def burst(api_url: str, timeout_s: float) -> list[httpx.Response]:
+    """12 distinct completions at once: more than the balance threshold, so the router spreads them over both
+    replicas."""
+    async def send() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=timeout_s) as client:
+            return await asyncio.gather(*(client.post(f"{api_url}/completions", json={
                 "model": BASE, "prompt": f"{index} {PROMPTS[index % len(PROMPTS)]}", "max_tokens": 8})
                 for index in range(12)))
 
-    responses = asyncio.run(burst())
-    # 12 at once exceed the balance threshold, so the router spreads them over both replicas. Each one the
-    # dead replica got was refused before any output and sent to the live one (before, each was a 500
-    # "'State' object has no attribute 'server'" until Serve's health check replaced the replica).
-    assert [response.status_code for response in responses] == [200] * 12, [r.text for r in responses]
-    assert len({response.headers["x-fleetserve-replica"] for response in responses}) == 1  # the live one
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and (set(replica_actors(deployment)) >= set(before)
-                                           or len(replica_actors(deployment)) < 2):
-        time.sleep(1)
-    # Serve's health check replaced the replica whose engine died.
-    assert len(set(before) - set(replica_actors(deployment))) == 1 and wait_until_healthy("lora") < float("inf")
+    return asyncio.run(send())
 
 
-def test_a_replica_whose_engine_hangs_is_replaced_and_its_requests_served(lora_app):
+@pytest.mark.parametrize("fault", ["dies", "hangs"])
+def test_a_replica_whose_engine_fails_is_replaced_and_every_request_served(lora_app, fault):
     import os
     import signal
 
@@ -213,24 +192,27 @@ def test_a_replica_whose_engine_hangs_is_replaced_and_its_requests_served(lora_a
     before = replica_actors(deployment)
     engine_pids = engine_core_pids("lora", deployment)
     assert len(before) == len(engine_pids) == 2
-    os.kill(engine_pids[0], signal.SIGSTOP)  # hung: neither dead nor erring, so vLLM's health check passes
-    try:
-        async def burst() -> list[httpx.Response]:
-            async with httpx.AsyncClient(timeout=280) as client:
-                return await asyncio.gather(*(client.post(f"{lora_app.api_url}/completions", json={
-                    "model": BASE, "prompt": f"{index} {PROMPTS[index % len(PROMPTS)]}", "max_tokens": 8})
-                    for index in range(12)))
-
-        responses = asyncio.run(burst())
-    finally:
-        if os.path.exists(f"/proc/{engine_pids[0]}"):
-            os.kill(engine_pids[0], signal.SIGKILL)
-    # The requests the hung engine held waited until its replica failed its health check (a 20 s stall, then
-    # Serve's 3 failed checks 10 s apart) and was stopped; none had output, so each was sent again and served
-    # by the other replica. Otherwise they would wait for their 300 s progress timeout, past the client's 280 s.
+    if fault == "dies":
+        os.kill(engine_pids[0], signal.SIGKILL)  # its replica lives on, unhealthy
+        time.sleep(0.5)  # vLLM's monitor marks the engine dead when its process goes
+        responses = burst(lora_app.api_url, timeout_s=60)
+        # Each request the dead replica got was refused before any output and sent to the live one (before,
+        # each was a 500 "'State' object has no attribute 'server'" until Serve replaced the replica).
+        assert len({response.headers["x-fleetserve-replica"] for response in responses}) == 1
+    else:
+        os.kill(engine_pids[0], signal.SIGSTOP)  # hung: neither dead nor erring, so vLLM's health check passes
+        try:
+            # Those the hung engine held wait until its replica fails its health check (a 20 s stall, then
+            # Serve's 3 failed checks 10 s apart) and is stopped; with no output yet, each is sent again. Before,
+            # they waited for their 300 s progress timeout, past this client's 280 s.
+            responses = burst(lora_app.api_url, timeout_s=280)
+        finally:
+            if os.path.exists(f"/proc/{engine_pids[0]}"):
+                os.kill(engine_pids[0], signal.SIGKILL)
     assert [response.status_code for response in responses] == [200] * 12, [r.text for r in responses]
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and (set(replica_actors(deployment)) >= set(before)
                                            or len(replica_actors(deployment)) < 2):
         time.sleep(1)
+    # Serve's health check replaced the failed replica.
     assert len(set(before) - set(replica_actors(deployment))) == 1 and wait_until_healthy("lora") < float("inf")
