@@ -22,16 +22,24 @@ autoscale_app = typer.Typer(help="Autoscaling policies: simulate them on a trace
                             no_args_is_help=True)
 
 
-def load_trace(spec: str, seed: int = 0, rate_scale: float = 1.0) -> list[TraceRequest]:
+def load_trace(spec: str, seed: int | None = None, rate_scale: float = 1.0) -> list[TraceRequest]:
     """A recorded trace CSV (timestamp, prompt tokens, output tokens), a bench result file (``fleetserve bench
-    --save-detailed``) or a synthetic spec (see traces.synthetic); ``rate_scale`` speeds it up."""
+    --save-detailed``) or a synthetic spec (see traces.synthetic) drawn with ``seed`` (None: 0);
+    ``rate_scale`` speeds it up.
+
+    Raises:
+        ValueError: a seed for a recorded trace, which it would not change; a bad spec or rate.
+    """
     path = Path(spec)
+    recorded = path.suffix.lower() == ".csv" or path.exists()
+    if recorded and seed is not None:
+        raise ValueError(f"--seed draws synthetic traces only; {spec} is replayed as recorded: drop --seed")
     if path.suffix.lower() == ".csv":
         return from_csv(path, rate_scale)
     if path.exists():
         requests = from_bench(path)
     else:
-        requests = synthetic(spec, seed)
+        requests = synthetic(spec, seed or 0)
     if rate_scale <= 0:
         raise ValueError(f"--rate-scale must be positive, got {rate_scale:g}")
     return [TraceRequest(r.arrival_s / rate_scale, r.prompt_tokens, r.output_tokens) for r in requests]
@@ -179,7 +187,8 @@ def simulate_command(
     initial_replicas: Annotated[int, typer.Option(help="Replicas at the start.")] = 1,
     plot: Annotated[Optional[Path], typer.Option(help="Write the timeline PNG here.")] = None,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the summaries as JSON here.")] = None,
-    seed: Annotated[int, typer.Option(help="Seed for synthetic traces.")] = 0,
+    seed: Annotated[Optional[int], typer.Option(help="Seed for synthetic traces (default 0); refused with a "
+                                                     "recorded one.")] = None,
     rate_scale: Annotated[float, typer.Option(help="Play the trace this many times faster (2 plays an hour in 30 "
                                                    "minutes), to load a given fleet.")] = 1.0,
 ) -> None:

@@ -161,6 +161,11 @@ def test_simulate_command_replays_a_recorded_trace_csv_faster(tmp_path):
     bad.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n1,x,3\n")
     result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", str(bad), "--policy", str(slo)])
     assert result.exit_code == 2 and "bad.csv:2: expected a timestamp and two token counts" in result.output
+    # A recorded trace is replayed as recorded: a seed would change nothing, so it is refused.
+    result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", str(trace), "--seed", "3",
+                                      "--policy", str(slo)])
+    assert result.exit_code == 2
+    assert "--seed draws synthetic traces only; " in result.output and "drop --seed" in " ".join(result.output.split())
 
 
 def test_simulate_command_judges_an_slo_policy_by_its_own_targets_and_profile(tmp_path):

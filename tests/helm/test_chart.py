@@ -310,7 +310,7 @@ def test_keda_example_queries_are_valid_promql(tmp_path):
 
 
 needs_promtool = pytest.mark.skipif(shutil.which("promtool") is None,
-                                    reason="promtool not installed (Debian's prometheus package; make test installs it)")
+                                    reason="promtool not installed (Debian's prometheus; make test installs it)")
 
 
 # fleetserve's PrometheusRule: its alerts load in Prometheus (promtool check rules) and fire on exactly the

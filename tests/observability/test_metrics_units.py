@@ -148,7 +148,8 @@ async def test_metrics_answer_without_the_engines_when_the_hub_hangs(monkeypatch
         hub_calls.append(1)
         if len(hub_calls) == 1:
             await asyncio.sleep(3600)  # the hung hub: Serve replaces it in about a minute
-        return [b'vllm:num_requests_running{model_name="m",replica="r0",pool="colocated"} 2.0\n'], {("m", "colocated"): 1}
+        exposition = b'vllm:num_requests_running{model_name="m",replica="r0",pool="colocated"} 2.0\n'
+        return [exposition], {("m", "colocated"): 1}
 
     app = ingress_server.OpenAIIngress({}, metrics_source=hub)
     transport = httpx.ASGITransport(app=app.build_app())
