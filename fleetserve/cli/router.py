@@ -133,6 +133,8 @@ def calibrate(
         raise fail(f"--strong-fraction must be in [0, 1], got {strong_fraction}")
     if records is not None and data is not None:
         raise fail("give --data or --records, not both")
+    if route is not None and records is None:
+        raise fail("--route picks a route's prompts from --records; without them it would change nothing")
     router = _load(checkpoint, threads)
     if records is not None:
         try:

@@ -71,6 +71,8 @@ def test_clear_errors_for_bad_inputs(data_csv, tmp_path):
     assert result.exit_code == 2 and "unknown embedder 'word2vec'" in result.output
     result = run("router", "calibrate", str(tmp_path), "--strong-fraction", "0.3")
     assert result.exit_code == 2 and "cannot load router checkpoint" in result.output
+    result = run("router", "calibrate", str(tmp_path), "--strong-fraction", "0.3", "--route", "auto")
+    assert result.exit_code == 2 and "--route picks a route's prompts from --records" in result.output
 
 
 @pytest.fixture
