@@ -272,6 +272,27 @@ async def test_a_prefill_retry_avoids_the_replica_whose_engine_died(cluster):
     assert raised.value.status_code == 503 and "replica p0's engine has died" in raised.value.message
 
 
+async def test_a_decode_replica_whose_engine_died_refuses_before_any_prefill(cluster, monkeypatch):
+    from fleetserve.platform.engine import EngineDeadError
+
+    class CountingPool:
+        calls = 0
+
+        async def prefill(self, request):
+            CountingPool.calls += 1
+            raise AssertionError("a prefill for a decode engine that cannot continue it holds KV for nothing")
+
+        async def num_running_replicas(self):
+            return 1
+
+    decode = cluster.decode[0]
+    decode.prefill_client = CountingPool()
+    monkeypatch.setattr(type(decode.engine), "errored", property(lambda engine: engine is decode.engine))
+    with pytest.raises(EngineDeadError):
+        await respond(decode, completion("dead-decode", prompts(length_seed=19)[2]))
+    assert CountingPool.calls == 0
+
+
 class VanishingPool:
     """A prefill pool whose replicas are gone: Serve would queue a prefill until one runs (it never answers
     here). ``running`` is the replica count it reports on each look, the last one repeated."""

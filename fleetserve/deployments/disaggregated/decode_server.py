@@ -35,7 +35,7 @@ from fleetserve.deployments.ingress.request_fields import read_fields
 from fleetserve.deployments.serve_options import data_path_handle_options
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead, RoutingHints
 from fleetserve.platform.config import ModelConfig
-from fleetserve.platform.engine import Engine, EngineRequestError, dead_replica_id
+from fleetserve.platform.engine import Engine, EngineDeadError, EngineRequestError, dead_replica_id
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.openai_app import responses_store_enabled
 
@@ -264,7 +264,10 @@ class DecodeServer(EngineServer):
 
         Raises:
             EngineRequestError: the prefill pool failed on every attempt, or is empty and refuses (503).
+            EngineDeadError: this replica's engine has died (before a prefill replica computes KV for it).
         """
+        if self.engine.errored:
+            raise EngineDeadError(self.replica_id)
         started_at = time.time()
         refusal = self._refusal(request, started_at)
         if refusal is not None:
