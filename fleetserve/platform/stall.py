@@ -36,7 +36,9 @@ class StallWatch:
         return max(0.0, now - max(last_step_at, self.idle_at))
 
     def check(self, num_unfinished: int, last_step_at: float, now: float) -> None:
-        """Raises:
+        """Checks the engine at a health check.
+
+        Raises:
             EngineStalledError: stalled for longer than ``stall_timeout_s``.
         """
         stalled_s = self.stalled_for(num_unfinished, last_step_at, now)
