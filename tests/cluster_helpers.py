@@ -63,15 +63,23 @@ def kill(actor_name: str) -> None:
     ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
 
 
-def engine_core_pids(app: str, deployment: str) -> list[int]:
-    """The pids of the vLLM engine core processes a deployment's Serve replicas on this machine started."""
+def engine_core_pids(deployment: str) -> list[int]:
+    """The pids of the vLLM engine core processes a deployment's live Serve replicas started, one per replica,
+    found under each replica actor's own process (its pid from Ray's actor table)."""
     import psutil
+    from ray._private import state
 
-    title = f"ray::ServeReplica:{app}:{deployment}"
-    replicas = [process for process in psutil.process_iter(["cmdline"])
-                if " ".join(process.info["cmdline"] or []).startswith(title)]
-    return [child.pid for replica in replicas for child in replica.children(recursive=True)
-            if " ".join(child.cmdline()).startswith("VLLM::EngineCore")]
+    actor_pids = [actor["Pid"] for actor in state.actors().values()
+                  if actor["State"] == "ALIVE" and f"#{deployment}#" in (actor["Name"] or "")
+                  and actor["Name"].startswith("SERVE_REPLICA")]
+    cores = [child.pid for pid in actor_pids for child in psutil.Process(pid).children(recursive=True)
+             if "EngineCore" in " ".join(child.cmdline())]
+    if len(cores) != len(actor_pids):
+        seen = [(process.pid, process.ppid(), " ".join(process.cmdline())[:60]) for process in psutil.process_iter()
+                if "VLLM" in " ".join(process.cmdline()) or "ServeReplica" in " ".join(process.cmdline())]
+        raise AssertionError(f"replica actors {actor_pids} of {deployment} have engine cores {cores}; "
+                             f"processes (pid, parent, command): {seen}")
+    return cores
 
 
 def metric_values(text: str, name: str) -> list[tuple[dict[str, str], float]]:

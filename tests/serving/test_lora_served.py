@@ -190,7 +190,7 @@ def test_a_replica_whose_engine_fails_is_replaced_and_every_request_served(lora_
     deployment = deployment_name(lora_app.config.models[0])
     assert wait_until_healthy("lora") < float("inf")
     before = replica_actors(deployment)
-    engine_pids = engine_core_pids("lora", deployment)
+    engine_pids = engine_core_pids(deployment)
     assert len(before) == len(engine_pids) == 2
     if fault == "dies":
         os.kill(engine_pids[0], signal.SIGKILL)  # its replica lives on, unhealthy
