@@ -228,23 +228,29 @@ async def test_early_end_frees_both_sides(cluster, how):
     assert [(s.num_running, s.num_waiting, s.kv_cache_usage) for s in stats] == [(0, 0, 0.0)] * 2
 
 
+class FailingPool:
+    """A prefill pool Serve still lists (failing, not gone) whose every prefill raises ``error``; ``avoided``
+    holds what each call's routing hints told its router to avoid, in call order."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.avoided: list[frozenset[str]] = []
+
+    async def prefill(self, request):
+        self.avoided.append(request.routing.avoid_replica_ids)
+        raise self.error
+
+    async def num_running_replicas(self):
+        return 1
+
+
 async def test_failing_prefill_pool_is_a_clear_503(cluster):
-    class DeadPool:
-        calls = 0
-
-        async def prefill(self, request):
-            DeadPool.calls += 1
-            raise ConnectionError("prefill replica is gone")
-
-        async def num_running_replicas(self):
-            return 1  # Serve still lists it: failing, not gone
-
     decode = cluster.decode[0]
-    decode.prefill_client = DeadPool()
+    decode.prefill_client = pool = FailingPool(ConnectionError("prefill replica is gone"))
     with pytest.raises(EngineRequestError) as raised:
         await run(decode, prompts(length_seed=19)[2], "doomed")
     assert raised.value.status_code == 503 and "prefill failed on 2 attempt(s)" in raised.value.message
-    assert DeadPool.calls == 2  # max_prefill_attempts
+    assert len(pool.avoided) == 2  # max_prefill_attempts
     stats = await wait_idle([decode])
     assert (stats[0].num_running, stats[0].kv_cache_usage) == (0, 0.0)
 
@@ -252,45 +258,25 @@ async def test_failing_prefill_pool_is_a_clear_503(cluster):
 async def test_a_prefill_retry_avoids_the_replica_whose_engine_died(cluster):
     from fleetserve.platform.engine import EngineDeadError
 
-    class DyingPool:
-        # What each call's routing hints told the router to avoid.
-        avoided: list[frozenset[str]] = []
-
-        async def prefill(self, request):
-            DyingPool.avoided.append(request.routing.avoid_replica_ids)
-            raise EngineDeadError("p0")
-
-        async def num_running_replicas(self):
-            return 1
-
     decode = cluster.decode[0]
-    decode.prefill_client = DyingPool()
+    decode.prefill_client = pool = FailingPool(EngineDeadError("p0"))
     with pytest.raises(EngineRequestError) as raised:
         await run(decode, prompts(length_seed=19)[2], "dead-engine")
     # The second attempt asks the prefill pool's router for any replica but p0.
-    assert DyingPool.avoided == [frozenset(), frozenset({"p0"})]
+    assert pool.avoided == [frozenset(), frozenset({"p0"})]
     assert raised.value.status_code == 503 and "replica p0's engine has died" in raised.value.message
 
 
 async def test_a_decode_replica_whose_engine_died_refuses_before_any_prefill(cluster, monkeypatch):
     from fleetserve.platform.engine import EngineDeadError
 
-    class CountingPool:
-        calls = 0
-
-        async def prefill(self, request):
-            CountingPool.calls += 1
-            raise AssertionError("a prefill for a decode engine that cannot continue it holds KV for nothing")
-
-        async def num_running_replicas(self):
-            return 1
-
     decode = cluster.decode[0]
-    decode.prefill_client = CountingPool()
+    # A prefill for a decode engine that cannot continue it would hold KV for nothing.
+    decode.prefill_client = pool = FailingPool(AssertionError("prefilled for a dead decode engine"))
     monkeypatch.setattr(type(decode.engine), "errored", property(lambda engine: engine is decode.engine))
     with pytest.raises(EngineDeadError):
         await respond(decode, completion("dead-decode", prompts(length_seed=19)[2]))
-    assert CountingPool.calls == 0
+    assert len(pool.avoided) == 0  # no prefill was asked for
 
 
 class VanishingPool:
