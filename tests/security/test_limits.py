@@ -212,7 +212,9 @@ async def test_a_dead_engine_with_no_other_replica_is_a_503_naming_it(fake_engin
     assert replicas.called_ids == ["r0", "r1", "r0"]
     assert (response.status_code, error["code"]) == (503, "engine_unavailable")
     assert error["message"] == ("the model's engine is unavailable (replica r0's engine has died; Serve is replacing "
-                                "the replica); retry shortly")
+                                "the replica); retry after 10 s")
+    # Serve's health check (every 10 s) notices the dead engine and starts a successor: the client's wait.
+    assert response.headers["retry-after"] == "10"
     assert app.in_flight == {"fake": 0}
 
 

@@ -14,10 +14,23 @@ import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fleetserve.deployments.ingress.protocol import APIError
+from fleetserve.deployments.serve_options import HEALTH_CHECK_PERIOD_S
 from fleetserve.platform.api_types import ReplicaChunk, TokenUsage
 from fleetserve.platform.engine import EngineDeadError, EngineRequestError
 
 logger = logging.getLogger(__name__)
+
+# A replica whose engine died is noticed at Serve's next health check, which then starts its successor;
+# a client retrying sooner finds the same replicas (the ingress has already tried every other one).
+ENGINE_UNAVAILABLE_RETRY_AFTER_S = HEALTH_CHECK_PERIOD_S
+
+
+def engine_unavailable(reason: str) -> APIError:
+    """The 503 ``engine_unavailable`` for a request no replica's engine could take, with a Retry-After."""
+    error = APIError(f"the model's engine is unavailable ({reason}); retry after {ENGINE_UNAVAILABLE_RETRY_AFTER_S} s",
+                     503, "service_unavailable", code="engine_unavailable")
+    error.headers = {"Retry-After": str(ENGINE_UNAVAILABLE_RETRY_AFTER_S)}
+    return error
 
 
 def as_api_error(error: BaseException) -> APIError:
@@ -30,12 +43,10 @@ def as_api_error(error: BaseException) -> APIError:
     if isinstance(cause, EngineRequestError):
         return APIError(cause.message, cause.status_code, cause.error_type, cause.param)
     if isinstance(cause, EngineDeadError):
-        return APIError(f"the model's engine is unavailable ({cause}); retry shortly", 503, "service_unavailable",
-                        code="engine_unavailable")
+        return engine_unavailable(str(cause))
     name = type(error).__name__
     if "ActorDied" in name or "ActorUnavailable" in name or "BackPressure" in name:
-        return APIError(f"the model's engine is unavailable ({name}); retry shortly", 503,
-                        "service_unavailable", code="engine_unavailable")
+        return engine_unavailable(name)
     logger.exception("request failed in the engine", exc_info=error)
     return APIError(f"internal error in the engine: {name}: {cause}", 500, "internal_error")
 
@@ -43,8 +54,7 @@ def as_api_error(error: BaseException) -> APIError:
 def cut_off_error() -> APIError:
     """A replica's stream that ended before its final chunk: something between the engine and here broke
     off, so the error is the one a replica's death gives (and, before any chunk, the request is retried)."""
-    return APIError("the model's engine is unavailable (its replica's stream ended before the response did); "
-                    "retry shortly", 503, "service_unavailable", code="engine_unavailable")
+    return engine_unavailable("its replica's stream ended before the response did")
 
 
 async def until_final(first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk]) -> AsyncIterator[ReplicaChunk]:
