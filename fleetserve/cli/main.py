@@ -213,7 +213,10 @@ def status(
             console.print(f"[red]error:[/] cannot read {url.rstrip('/')}/metrics: {type(error).__name__}: {error}")
             raise typer.Exit(1) from None
         if once:
-            out.print(status_table(before, after, url))
+            table = status_table(before, after, url)
+            if not out.is_terminal:  # rich would cut every cell to fit 80 columns, unreadable to a script
+                out = RichConsole(width=RichConsole(width=1000).measure(table).maximum)
+            out.print(table)
             return
         with Live(status_table(before, after, url), console=out, refresh_per_second=4) as live:
             try:
@@ -327,7 +330,8 @@ def plan(
     except PlanError as error:
         console.print(f"[red]error:[/] {error}")
         raise typer.Exit(2) from None
-    out = Console(width=160)
+    # With the JSON on stdout, the tables go to stderr so that stdout parses.
+    out = Console(width=160, stderr=json_out is not None and str(json_out) == "-")
     out.print(plan_table(plans, spec.name, inputs))
     out.print(packing_table(assignments, mig))
     if json_out is not None:

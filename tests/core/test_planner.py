@@ -211,6 +211,22 @@ def test_plan_config_emits_values_the_chart_accepts(tmp_path):
     assert parse_config(served).model("llama").resources.custom_resources == {"mig-3g.40gb": 1}
 
 
+def test_plan_json_on_stdout_is_the_json_alone(tmp_path):
+    from typer.testing import CliRunner
+
+    from fleetserve.cli.main import app
+
+    path = tmp_path / "platform.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "llama", "source": str(folder(tmp_path, "llama", LLAMA_3_8B)),
+                                                "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}}]}))
+    result = CliRunner().invoke(app, ["plan", str(path), "--mig", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    # The tables went to stderr; before, they came first on stdout and the JSON did not parse.
+    plan = json.loads(result.stdout)
+    assert [model["slice"] for model in plan["models"]] == ["3g.40gb"]
+    assert "capacity plan on h100-80gb" in result.stderr
+
+
 def test_a_sharded_model_gets_a_group_whose_pods_hold_all_its_gpus(tmp_path):
     config = planned_models(tmp_path, big=(LLAMA_3_70B, 2), small=(LLAMA_3_8B, 1))
     spec = gpu("h100-80gb")
