@@ -117,8 +117,7 @@ def test_every_replica_reports_when_it_started_and_each_start_phase(two_replica_
 def test_status_once_shows_each_replica(two_replica_app):
     send(two_replica_app.base_url, 2)
     done = subprocess.run([sys.executable, "-m", "fleetserve.cli", "status", "--url", two_replica_app.base_url,
-                           "--once", "--interval", "0.5"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "200"})
+                           "--once", "--interval", "0.5"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     rows = [line for line in done.stdout.splitlines() if MODEL in line and "colocated" in line]
     assert len(rows) == 2  # one row per replica

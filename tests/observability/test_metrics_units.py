@@ -94,6 +94,25 @@ def test_status_table_without_node_info_shows_a_dash():
     assert [column._cells[0] for column in status_table(scrape, scrape, "x").columns][3] == "-"
 
 
+def test_status_once_into_a_pipe_prints_whole_cells(monkeypatch):
+    from typer.testing import CliRunner
+
+    from fleetserve.cli.main import app
+
+    metrics = EngineMetrics("llama-3-8b-instruct-support-bot", "r0", pool="decode")
+    metrics.set_node("0123456789abcdef", "10.0.0.7")
+    monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.setattr("fleetserve.ops.status.fetch", lambda url, client, now: parse_metrics(
+        metrics.exposition().decode(), taken_at=now))
+    result = CliRunner().invoke(app, ["status", "--once", "--interval", "0"])
+    assert result.exit_code == 0, result.output
+    # Before, rich cut every cell to fit 80 columns ("lla…", "dec…", "pro…") where a script reads them.
+    row = next(line for line in result.stdout.splitlines() if "r0" in line)
+    assert [cell.strip() for cell in row.split("│")[1:5]] == ["llama-3-8b-instruct-support-bot", "decode", "r0",
+                                                             "01234567"]
+    assert "prompt tok/s" in result.stdout
+
+
 def test_node_info_names_the_replica_and_its_node():
     metrics = EngineMetrics("m", "r0", pool="decode")
     metrics.set_node("ab" * 28, "10.0.0.7")

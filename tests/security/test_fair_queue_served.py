@@ -74,7 +74,7 @@ async def test_every_tenant_completes_on_a_priority_engine_with_a_reserved_slot(
 def run_status(url: str, key: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "fleetserve.cli", "status", "--url", url, "--once",
                            "--interval", "0.2"], capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "COLUMNS": "200", "FLEETSERVE_API_KEY": key})
+                          env={**os.environ, "FLEETSERVE_API_KEY": key})
 
 
 def test_status_reads_an_auth_platform_with_an_admin_key_only(fair):
