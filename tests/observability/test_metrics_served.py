@@ -3,7 +3,6 @@ a dashboard whose every metric exists, `fleetserve status`, and a real Prometheu
 
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
