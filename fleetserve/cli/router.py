@@ -85,8 +85,9 @@ def train(
     data: Annotated[Path, typer.Argument(help="Correctness CSV(s) (a file or folder) or battles JSONL.")],
     out: Annotated[Path, typer.Option(help="Checkpoint folder to write.")],
     router: Annotated[str, typer.Option(help="mf, classifier, mlp, knn or random.")] = "mf",
-    embedder: Annotated[str, typer.Option(help="minilm (offline MiniLM-L6-v2), hashing (no dependencies) or "
-                                               "difficulty (hand-written features).")] = "minilm",
+    embedder: Annotated[Optional[str], typer.Option(help="minilm (offline MiniLM-L6-v2; the default), hashing (no "
+                                                         "dependencies) or difficulty (hand-written features); "
+                                                         "random reads no prompt and takes none.")] = None,
     split_by: Annotated[str, typer.Option(help="prompt: 60% of prompts by hash; group: 60% of groups "
                                                "(subjects) by hash, so eval sees unseen groups.")] = "prompt",
     threads: Annotated[int, typer.Option(help="Torch threads for embedding the training prompts.")] = 2,
@@ -95,13 +96,16 @@ def train(
     """Trains a router on the training split and saves a checkpoint."""
     if router not in ROUTER_KINDS:
         raise fail(f"unknown router {router!r}; expected one of {', '.join(ROUTER_KINDS)}")
+    if router == "random" and embedder is not None:
+        raise fail("--embedder does not apply to --router random, which never reads a prompt's embedding")
     part = _split(data, "train", split_by)
     try:
-        encoder = make_embedder(embedder, num_threads=threads)
+        encoder = None if router == "random" else make_embedder(embedder or "minilm", num_threads=threads)
     except ValueError as error:
         raise fail(str(error)) from None
-    console.print(f"training {router} on {len(part.prompts)} prompts of {data} (train split), embedder {encoder.spec}")
-    embeddings = embed_cached(encoder, part.prompts) if router != "random" else None
+    console.print(f"training {router} on {len(part.prompts)} prompts of {data} (train split)"
+                  + (f", embedder {encoder.spec}" if encoder is not None else ""))
+    embeddings = embed_cached(encoder, part.prompts) if encoder is not None else None
     info = {"data": str(data.resolve()), "data_sha256": data_sha256(data), "split": "train", "split_by": split_by,
             "format": "correctness" if isinstance(part, CorrectnessTable) else "battles"}
     try:

@@ -69,10 +69,22 @@ def test_clear_errors_for_bad_inputs(data_csv, tmp_path):
     assert result.exit_code == 2 and "unknown router 'forest'" in result.output
     result = run("router", "train", str(data_csv), "--embedder", "word2vec", "--out", str(tmp_path / "x"))
     assert result.exit_code == 2 and "unknown embedder 'word2vec'" in result.output
+    result = run("router", "train", str(data_csv), "--router", "random", "--embedder", "minilm", "--out",
+                 str(tmp_path / "x"))
+    assert result.exit_code == 2 and "--embedder does not apply to --router random" in result.output
     result = run("router", "calibrate", str(tmp_path), "--strong-fraction", "0.3")
     assert result.exit_code == 2 and "cannot load router checkpoint" in result.output
     result = run("router", "calibrate", str(tmp_path), "--strong-fraction", "0.3", "--route", "auto")
     assert result.exit_code == 2 and "--route picks a route's prompts from --records" in result.output
+
+
+def test_a_random_router_is_trained_without_an_embedder(data_csv, tmp_path):
+    result = run("router", "train", str(data_csv), "--router", "random", "--out", str(tmp_path / "random"))
+    assert result.exit_code == 0, result.output
+    # Before, it loaded MiniLM and recorded it in the checkpoint, which loading then ignored.
+    assert "embedder" not in result.output
+    assert json.loads((tmp_path / "random" / "metadata.json").read_text())["embedder"] is None
+    assert load_router(tmp_path / "random").embedder is None
 
 
 @pytest.fixture

@@ -332,11 +332,13 @@ def _train_classifier(battles: Battles, embeddings: np.ndarray,
     return weights, float(loss)
 
 
-def train_router(kind: RouterKind, data: TrainingData, embedder: Embedder, embeddings: np.ndarray | None = None,
-                 params: TrainingParams = TrainingParams(), data_info: dict[str, Any] | None = None) -> CostQualityRouter:
+def train_router(kind: RouterKind, data: TrainingData, embedder: Embedder | None,
+                 embeddings: np.ndarray | None = None, params: TrainingParams = TrainingParams(),
+                 data_info: dict[str, Any] | None = None) -> CostQualityRouter:
     """Trains a router on every row of ``data`` (select the training split first).
 
     Args:
+        embedder: None for ``random`` only, which reads no prompt.
         embeddings: the prompts' embeddings, aligned with ``data.prompts``, when already computed.
         data_info: provenance (path, sha256, split) recorded in the metadata.
     """
@@ -347,7 +349,9 @@ def train_router(kind: RouterKind, data: TrainingData, embedder: Embedder, embed
                                              "num_battles": int(len(battles.outcomes)),
                                              "params": asdict(params)}}
     if kind == "random":
-        return CostQualityRouter("random", models, embedder, {}, metadata)
+        return CostQualityRouter("random", models, None, {}, metadata)
+    if embedder is None:
+        raise ValueError(f"a {kind} router needs an embedder")
     if embeddings is None:
         embeddings = embedder.embed(battles.prompts, progress=True)
     x, standardise = _standardised(np.asarray(embeddings, dtype=np.float32), embedder)
