@@ -47,7 +47,8 @@ def test_responses_to_an_allowed_origin_expose_routing_and_rate_limit_headers(en
                        headers={"Origin": APP, "Authorization": f"Bearer {KEY}"})
     assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == APP
     exposed = {name.strip() for name in reply.headers["access-control-expose-headers"].split(",")}
-    assert {"x-fleetserve-model", "x-request-id", "x-ratelimit-remaining-requests", "retry-after"} <= exposed
+    assert {"x-fleetserve-model", "x-request-id", "x-ratelimit-remaining-requests", "retry-after", "x-fleetserve-route",
+            "x-fleetserve-win-rate", "x-fleetserve-domain-distance"} <= exposed
     assert reply.headers["x-ratelimit-remaining-requests"] == "59"  # 60 a minute, one spent
     # A refusal carries them too, so browser code can read why.
     keyless = httpx.post(f"{endpoint}/v1/completions", json=BODY, headers={"Origin": APP})

@@ -34,8 +34,8 @@ RATE_LIMIT_KINDS = ("requests", "tokens")
 RATE_LIMIT_HEADERS = tuple(f"x-ratelimit-{field}-{kind}" for kind in RATE_LIMIT_KINDS
                            for field in ("limit", "remaining", "reset"))
 # What browser code may read on a cross-origin response (server.cors): routing, rate limits, the request id.
-CORS_EXPOSED_HEADERS = (HEADER_REQUEST_ID, *ROUTING_HEADERS, HEADER_MODEL_ROUTE_REASON, "retry-after",
-                        *RATE_LIMIT_HEADERS)
+CORS_EXPOSED_HEADERS = (HEADER_REQUEST_ID, *ROUTING_HEADERS, HEADER_ROUTE, HEADER_MODEL_ROUTE_REASON, HEADER_WIN_RATE,
+                        HEADER_DOMAIN_DISTANCE, "retry-after", *RATE_LIMIT_HEADERS)
 
 
 class APIError(Exception):
