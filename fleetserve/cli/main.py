@@ -127,7 +127,7 @@ def apply(
 
     config = _load(config_path)
 
-    from fleetserve.deployments.apply import apply_config, plan_change
+    from fleetserve.deployments.apply import AdapterSyncError, apply_config, plan_change
     from fleetserve.deployments.local_run import AppStartError, ClusterError, join_cluster
     from fleetserve.deployments.placement import PlacementError
 
@@ -154,7 +154,7 @@ def apply(
     try:
         with console.status("applying (new engines take ~30-90 s to start on CPU)"):
             apply_config(config)
-    except AppStartError as error:
+    except (AppStartError, AdapterSyncError) as error:
         console.print(f"[red]error:[/] {escape(str(error))}")
         raise typer.Exit(1) from None
     console.print(f"[bold green]applied[/] in {time.monotonic() - started:.0f} s: the platform serves "

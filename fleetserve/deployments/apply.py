@@ -3,6 +3,8 @@ replicas of every deployment whose version is unchanged and rolling the others."
 
 from __future__ import annotations
 
+import time
+
 from ray import serve
 
 from fleetserve.deployments.builders import build_app
@@ -24,6 +26,16 @@ def running_config(app_name: str = APP_NAME) -> PlatformConfig:
     if config is None:
         raise ConfigError(f"application {app_name!r} was not built by fleetserve's builder")
     return config
+
+
+# How long apply waits for every replica of a base model to serve its changed adapters.
+ADAPTER_SYNC_TIMEOUT_S = 60.0
+ADAPTER_POLL_S = 0.5
+HUB_DEPLOYMENT = "metrics-hub"
+
+
+class AdapterSyncError(Exception):
+    """Replicas that did not serve a model's new adapters in time (an adapter that fails to load, as a rule)."""
 
 
 # Server keys that only the ingress's own replicas read: applied by rolling them.
@@ -59,4 +71,29 @@ def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix:
     """
     change = plan_change(config, app_name)
     run_application(build_app(config), app_name, route_prefix)
+    wait_for_adapters([name for name, keys in change.changed.items() if "lora.adapters" in keys], app_name)
     return change
+
+
+def wait_for_adapters(models: list[str], app_name: str = APP_NAME,
+                      timeout_s: float = ADAPTER_SYNC_TIMEOUT_S) -> None:
+    """Waits until every live replica of each model serves the hub's current adapter set.
+
+    Raises:
+        AdapterSyncError: some replicas had not caught up after ``timeout_s``, naming each model's count.
+    """
+    if not models:
+        return
+    hub = serve.get_deployment_handle(HUB_DEPLOYMENT, app_name)
+    versions = {model: hub.adapter_set.remote(model).result().version for model in models}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        progress = {model: hub.adapter_progress.remote(model, version).result() for model, version in versions.items()}
+        behind = {model: (done, live) for model, (done, live) in progress.items() if done < live}
+        if not behind:
+            return
+        if time.monotonic() > deadline:
+            counts = ", ".join(f"{model}: {done} of {live} replicas" for model, (done, live) in behind.items())
+            raise AdapterSyncError(f"the new adapters are not served after {timeout_s:.0f} s ({counts}); an adapter "
+                                   f"that fails to load is named in its replicas' logs")
+        time.sleep(ADAPTER_POLL_S)

@@ -72,9 +72,10 @@ def versioned(deployment: Deployment, version: str) -> Deployment:
 
 def _engine_version(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
                     engine_cls: type[Engine], server: ServerConfig) -> str:
-    # Replica counts and autoscaling are Serve options it changes without a restart; other models' core
-    # bindings are theirs; Serve's fast path is set in a replica's environment as it starts.
-    shape = model.model_dump(mode="json", exclude={"replicas", "autoscaling"})
+    # Replica counts and autoscaling are Serve options it changes without a restart; LoRA adapters reach
+    # running replicas through the hub's registry; other models' core bindings are theirs; Serve's fast path
+    # is set in a replica's environment as it starts.
+    shape = model.model_dump(mode="json", exclude={"replicas": True, "autoscaling": True, "lora": {"adapters"}})
     own = {name: bindings[name] for name in (deployment_name(model.pool_model(pool)) for pool in model.pools())}
     return deployment_version(shape, own, model_path, f"{engine_cls.__module__}.{engine_cls.__qualname__}",
                               serve_runtime_env(server))
@@ -115,8 +116,10 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
     adapters = {model.name: {adapter.name: adapter.source for adapter in model.lora.adapters}
                 for model in config.models if model.lora is not None}
     hub_options = control_actor_options(config.server)
-    hub = versioned(MetricsHubDeployment.options(ray_actor_options=hub_options),
-                    deployment_version(adapters, hub_options)).bind(adapters)
+    # Adapters reach a running hub through Serve's user_config (its reconfigure), not a new version, so a
+    # change of adapters alone keeps the hub's registry, and with it the adapters loaded at run time.
+    hub = versioned(MetricsHubDeployment.options(ray_actor_options=hub_options, user_config={"adapters": adapters}),
+                    deployment_version(hub_options)).bind(adapters)
     engines = {}
     for model in config.models:
         model_path = str(resolve_source(model.source)) if resolve_locally else None

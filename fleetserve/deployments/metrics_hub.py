@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass
+from typing import Any
 
 from ray import serve
 
@@ -85,6 +86,11 @@ class MetricsHub:
         """Loads or unloads one adapter of ``model`` in the registry; returns the new set's version."""
         return self.adapters.apply(op, model, name, source).version
 
+    async def configure_adapters(self, configured: dict[str, dict[str, str]]) -> dict[str, int]:
+        """Takes a new platform config's adapters (AdapterRegistry.reconcile); returns the changed bases'
+        versions, which replicas then converge on at their next push."""
+        return self.adapters.reconcile(configured)
+
     async def adapter_progress(self, model: str, version: int) -> tuple[int, int]:
         """(live replicas of ``model`` serving ``version`` or later, live replicas of ``model``)."""
         self._prune()
@@ -111,6 +117,11 @@ class MetricsHub:
 class MetricsHubDeployment(MetricsHub):
     """Ray Serve replica of the hub; one per application. Also relays the autoscaler's metrics, which
     live in the Serve controller's policy objects."""
+
+    async def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve's in-place update: a config that changes only adapters keeps this replica, and the registry
+        with the adapters loaded through the admin API."""
+        await self.configure_adapters(user_config["adapters"])
 
     async def collect(self) -> tuple[list[bytes], dict[tuple[str, str], int]]:
         import asyncio

@@ -39,6 +39,8 @@ class AdapterRegistry:
 
     def __init__(self, configured: dict[str, dict[str, str]] | None = None) -> None:
         self._sets = {base: AdapterSet(0, dict(sources)) for base, sources in (configured or {}).items()}
+        # The platform config's adapters as last given, to tell its changes from the admin API's.
+        self._configured = {base: dict(sources) for base, sources in (configured or {}).items()}
         # replica id -> (base model, the version it last reported applied)
         self._applied: dict[str, tuple[str, int]] = {}
 
@@ -60,6 +62,30 @@ class AdapterRegistry:
             sources.pop(name, None)
         self._sets[base] = AdapterSet(current.version + 1, sources)
         return self._sets[base]
+
+    def reconcile(self, configured: dict[str, dict[str, str]]) -> dict[str, int]:
+        """Applies a new platform config's adapters, keeping those loaded through the admin API.
+
+        An adapter the config adds, or gives a new source, is loaded; one it drops is unloaded; a base model it
+        no longer gives adapters loses its whole set. Adapters the config never named are left as they are.
+
+        Returns:
+            Each changed base model's new version (empty when nothing changed).
+        """
+        versions: dict[str, int] = {}
+        for base in set(self._sets) - set(configured):
+            del self._sets[base]
+        for base, sources in configured.items():
+            before = self._configured.get(base, {})
+            current = dict(self.desired(base).sources)
+            for name in set(before) - set(sources):
+                current.pop(name, None)
+            current.update({name: source for name, source in sources.items() if before.get(name) != source})
+            if base not in self._sets or current != self._sets[base].sources:
+                self._sets[base] = AdapterSet(self.desired(base).version + (base in self._sets), current)
+                versions[base] = self._sets[base].version
+        self._configured = {base: dict(sources) for base, sources in configured.items()}
+        return versions
 
     def record_applied(self, replica_id: str, base: str, version: int) -> None:
         """Notes that a replica of ``base`` serves the set of ``version``."""

@@ -44,3 +44,20 @@ def test_serve_version_ignores_replica_counts_and_follows_what_shapes_replicas()
     assert version(one) != version(one, ("1",))  # another core binding: new replicas
     assert version(one) == version(one, others={"engine-b": ["1"]})  # another model added: untouched
     assert version(one) != version(one, fast_path=False)  # Serve's options are read as a replica starts
+
+
+def test_adapters_alone_change_in_place_and_keep_the_engine_version():
+    def lora(*adapter_ids, max_loras=1):
+        return config({**model_entry("a"), "lora": {"max_loras": max_loras, "adapters": [
+            {"name": f"a-{i}", "source": f"random-lora:{i}"} for i in adapter_ids]}})
+
+    def version(cfg):
+        return _engine_version(cfg.models[0], {"engine-a": ["0"]}, "/models/a", Engine, ServerConfig())
+
+    change = diff_configs(lora(1), lora(1, 2))
+    assert change.changed == {"a": ["lora.adapters"]} and not change.restarts("a")
+    assert change.describe() == ["~ a: lora.adapters (in place)"]
+    assert version(lora(1)) == version(lora(1, 2))  # the replicas stay and load a-2 from the registry
+    more_slots = diff_configs(lora(1), lora(1, 2, max_loras=2))
+    assert more_slots.changed == {"a": ["lora"]} and more_slots.restarts("a")  # an engine arg of vLLM's
+    assert version(lora(1)) != version(lora(1, max_loras=2))

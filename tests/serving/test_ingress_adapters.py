@@ -84,6 +84,23 @@ async def test_load_then_unload_changes_the_served_names(fake_engine_cls):
     assert again.status_code == 404 and again.json()["error"]["code"] == "adapter_not_found"
 
 
+async def test_models_lists_adapters_changed_through_another_ingress_replica(fake_engine_cls):
+    from fleetserve.deployments.ingress.adapters import LocalAdapterCatalog
+    from fleetserve.platform.adapter_registry import AdapterRegistry
+
+    base = model("base", {"base-sql": "random-lora:1"})
+    catalog = LocalAdapterCatalog(AdapterRegistry({"base": {"base-sql": "random-lora:1"}}), {})
+    first, second = (OpenAIIngress({"base": RecordingClient(EngineServer(base, engine_cls=fake_engine_cls,
+                                                                         model_path="/unused"))},
+                                   models={"base": base}, adapter_catalog=catalog).build_app() for _ in range(2))
+    loaded = await call(second, "/v1/load_lora_adapter", {"lora_name": "base-new", "lora_path": "/a"})
+    assert loaded.status_code == 200
+    assert (await call(second, "/v1/unload_lora_adapter", {"lora_name": "base-sql"})).status_code == 200
+    # Before, the first replica listed its config's adapters until a request named one it did not know.
+    assert [card["id"] for card in (await call(first, "/v1/models")).json()["data"]] == ["base", "base-new"]
+    assert (await call(first, "/v1/models/base-sql")).status_code == 404
+
+
 @pytest.mark.parametrize(("models", "body", "status", "code"), [
     # A served model's name cannot become an adapter.
     (["base", "other"], {"lora_name": "other", "lora_path": "/a"}, 400, "adapter_name_taken"),

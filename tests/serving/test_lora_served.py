@@ -216,3 +216,32 @@ def test_a_replica_whose_engine_fails_is_replaced_and_every_request_served(lora_
         time.sleep(1)
     # Serve's health check replaced the failed replica.
     assert len(set(before) - set(replica_actors(deployment))) == 1 and wait_until_healthy("lora") < float("inf")
+
+
+def test_apply_changes_configured_adapters_in_place_and_keeps_those_loaded_at_run_time(lora_app, reference):
+    from fleetserve.deployments.apply import apply_config
+    from fleetserve.deployments.serve_options import deployment_name
+    from fleetserve.platform.config import parse_config
+
+    assert wait_until_healthy("lora") < float("inf")
+    # tiny-e, the same weights as tiny-d, loaded through the admin API: the config never names it.
+    loaded = change(lora_app.base_url, "load", {"lora_name": "tiny-e", "lora_path": RUNTIME["tiny-d"]})
+    assert loaded.headers["x-fleetserve-adapter-replicas"] == "2/2"
+    deployment = deployment_name(lora_app.config.models[0])
+    before = replica_actors(deployment)
+    entry = lora_app.config.models[0].model_dump(mode="json")
+    entry["lora"]["adapters"] = [{"name": "tiny-a", "source": CONFIGURED["tiny-a"]},
+                                 {"name": "tiny-c", "source": RUNTIME["tiny-c"]}]
+    applied = apply_config(parse_config({"models": [entry]}), app_name="lora", route_prefix="/lora")
+    # Before, any adapter change restarted every replica (48 s on 2 tiny replicas) and lost tiny-e.
+    assert applied.changed == {BASE: ["lora.adapters"]} and not applied.restarts(BASE)
+    assert replica_actors(deployment) == before
+    cards = httpx.get(f"{lora_app.api_url}/models", timeout=30).json()["data"]
+    assert {card["id"]: card.get("parent") for card in cards} == {BASE: None, "tiny-a": BASE, "tiny-c": BASE,
+                                                                  "tiny-e": BASE}
+    # apply returned once both replicas served the new set: tiny-c answers at once, tiny-b is gone.
+    assert served_outputs(lora_app.api_url, "tiny-c") == reference["tiny-c"]
+    assert served_outputs(lora_app.api_url, "tiny-e") == reference["tiny-d"]
+    dropped = httpx.post(f"{lora_app.api_url}/completions", json={"model": "tiny-b", "prompt": "a", "max_tokens": 1},
+                         timeout=60)
+    assert dropped.status_code == 404 and dropped.json()["error"]["code"] == "model_not_found"

@@ -86,6 +86,8 @@ ADAPTER_WAIT_S = 60.0
 OPEN_PATHS = ("/health", "/openapi.json", "/docs")
 # The longest /metrics waits for the engines' metrics from the hub; Prometheus's scrape timeout is 10 s.
 METRICS_SOURCE_TIMEOUT_S = 5.0
+# The longest /v1/models waits for the hub's adapter names before listing those it last read.
+ADAPTER_LIST_TIMEOUT_S = 2.0
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
 
@@ -208,11 +210,11 @@ class OpenAIIngress:
 
         @app.get("/v1/models")
         async def models(raw: Request) -> dict[str, Any]:
-            return {"object": "list", "data": self._model_cards(getattr(raw.state, "principal", None))}
+            return {"object": "list", "data": await self._model_cards(getattr(raw.state, "principal", None))}
 
         @app.get("/v1/models/{model_id:path}")
         async def model(model_id: str, raw: Request) -> dict[str, Any]:
-            for card in self._model_cards(getattr(raw.state, "principal", None)):
+            for card in await self._model_cards(getattr(raw.state, "principal", None)):
                 if card["id"] == model_id:
                     return card
             raise APIError(f"The model `{model_id}` does not exist.", 404, "not_found_error", param="model",
@@ -234,7 +236,12 @@ class OpenAIIngress:
             app.add_api_route(path, self._adapter_handler(op), methods=["POST"], name=f"{op.value}_lora_adapter")
         return app
 
-    def _model_cards(self, principal: Principal | None) -> list[dict[str, Any]]:
+    async def _model_cards(self, principal: Principal | None) -> list[dict[str, Any]]:
+        # Adapters change through any ingress replica, and by `fleetserve apply`, so the list reads the hub's.
+        try:
+            await asyncio.wait_for(self.adapters.refresh(), ADAPTER_LIST_TIMEOUT_S)
+        except Exception:  # noqa: BLE001 - a hub down or restarting: list the adapters last read
+            logger.warning("the adapter catalog did not answer; listing the adapters last read", exc_info=True)
         routed = self.routes.names() if self.routes is not None else []
         listed = [(name, "fleetserve", None) for name in self.clients]
         listed += [(name, "fleetserve", base) for name, base in sorted(self.adapters.bases.items())]
