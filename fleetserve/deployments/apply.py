@@ -11,6 +11,7 @@ from fleetserve.deployments.builders import build_app
 from fleetserve.deployments.local_run import APP_NAME, run_application
 from fleetserve.platform.config import ConfigError, PlatformConfig
 from fleetserve.platform.config.diff import ConfigChange, diff_configs
+from fleetserve.platform.lora_store import AdapterSourceError, check_adapter_source
 
 
 def running_config(app_name: str = APP_NAME) -> PlatformConfig:
@@ -46,10 +47,12 @@ def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChang
     """What applying ``config`` would change.
 
     Raises:
-        ConfigError: no such application, or a change apply cannot make (the listening address).
+        ConfigError: no such application, a change apply cannot make (the listening address), or an adapter
+            source that cannot load.
     """
     running = running_config(app_name)
     change = diff_configs(running, config)
+    _check_changed_adapters(config, change)
     if "server" in change.sections:
         before, after = running.server.model_dump(), config.server.model_dump()
         fixed = sorted(key for key in after if after[key] != before[key] and key not in SERVER_KEYS_APPLIED)
@@ -57,6 +60,18 @@ def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChang
             raise ConfigError(f"server: {', '.join(fixed)} cannot change while the platform runs (where it listens "
                               f"and how Serve runs the ingress); restart `fleetserve serve` to change them")
     return change
+
+
+def _check_changed_adapters(config: PlatformConfig, change: ConfigChange) -> None:
+    """Refuses adapter sources that cannot load before any replica tries (where they would fail one by one, in
+    logs, while apply waited for them)."""
+    for name in [*change.added, *change.changed]:
+        lora = config.model(name).lora
+        for adapter in lora.adapters if lora is not None else []:
+            try:
+                check_adapter_source(adapter.source)
+            except AdapterSourceError as error:
+                raise ConfigError(f"models[{name}].lora.adapters[{adapter.name}]: {error}") from None
 
 
 def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix: str = "/") -> ConfigChange:

@@ -27,23 +27,31 @@ class AdapterSourceError(ValueError):
     """An adapter source that cannot be resolved; the message says what was expected."""
 
 
+def check_adapter_source(source: str) -> None:
+    """Checks that ``source`` names a PEFT folder here, or is ``random-lora:<seed>``, without building it.
+
+    Raises:
+        AdapterSourceError: neither a PEFT folder nor ``random-lora:<seed>``.
+    """
+    if source.startswith(RANDOM_LORA_PREFIX):
+        if not source.removeprefix(RANDOM_LORA_PREFIX).isdigit():
+            raise AdapterSourceError(f"adapter source {source!r}: expected {RANDOM_LORA_PREFIX}<seed>, "
+                                     f"a non-negative integer seed")
+    elif not (Path(source).expanduser() / "adapter_config.json").exists():
+        raise AdapterSourceError(f"adapter source {source!r} not found: expected a PEFT adapter folder "
+                                 f"(with adapter_config.json) or {RANDOM_LORA_PREFIX}<seed>")
+
+
 def resolve_adapter_source(source: str, base_path: Path) -> Path:
     """A local PEFT folder for ``source``, building a random adapter for ``base_path`` if asked.
 
     Raises:
         AdapterSourceError: neither a PEFT folder nor ``random-lora:<seed>``.
     """
+    check_adapter_source(source)
     if source.startswith(RANDOM_LORA_PREFIX):
-        seed = source.removeprefix(RANDOM_LORA_PREFIX)
-        if not seed.isdigit():
-            raise AdapterSourceError(f"adapter source {source!r}: expected {RANDOM_LORA_PREFIX}<seed>, "
-                                     f"a non-negative integer seed")
-        return random_lora(base_path, int(seed))
-    path = Path(source).expanduser()
-    if not (path / "adapter_config.json").exists():
-        raise AdapterSourceError(f"adapter source {source!r} not found: expected a PEFT adapter folder "
-                                 f"(with adapter_config.json) or {RANDOM_LORA_PREFIX}<seed>")
-    return path
+        return random_lora(base_path, int(source.removeprefix(RANDOM_LORA_PREFIX)))
+    return Path(source).expanduser()
 
 
 def random_lora(base_path: Path, seed: int) -> Path:

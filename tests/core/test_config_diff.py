@@ -1,5 +1,6 @@
 """What `fleetserve apply` changes: the config diff, and which deployments keep their Serve version."""
 
+import pytest
 from factories import model_entry
 
 from fleetserve.deployments.builders import _engine_version
@@ -61,3 +62,22 @@ def test_adapters_alone_change_in_place_and_keep_the_engine_version():
     more_slots = diff_configs(lora(1), lora(1, 2, max_loras=2))
     assert more_slots.changed == {"a": ["lora"]} and more_slots.restarts("a")  # an engine arg of vLLM's
     assert version(lora(1)) != version(lora(1, max_loras=2))
+
+
+def test_apply_refuses_an_adapter_source_that_cannot_load_before_deploying(monkeypatch, tmp_path):
+    from fleetserve.deployments import apply
+    from fleetserve.platform.config import ConfigError
+
+    def lora(source):
+        return config({**model_entry("a"), "lora": {"adapters": [{"name": "a-1", "source": "random-lora:1"},
+                                                                 {"name": "a-2", "source": source}]}})
+
+    monkeypatch.setattr(apply, "running_config", lambda app_name: lora("random-lora:2"))
+    (tmp_path / "adapter_config.json").write_text("{}")
+    assert apply.plan_change(lora(str(tmp_path))).changed == {"a": ["lora.adapters"]}
+    # Before, each replica failed to load it in turn, and apply waited 60 s to say so.
+    with pytest.raises(ConfigError, match=r"models\[a\]\.lora\.adapters\[a-2\]: adapter source '/no/adapter' not "
+                                          r"found: expected a PEFT adapter folder"):
+        apply.plan_change(lora("/no/adapter"))
+    with pytest.raises(ConfigError, match=r"adapter source 'random-lora:x': expected random-lora:<seed>"):
+        apply.plan_change(lora("random-lora:x"))
