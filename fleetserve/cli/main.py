@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from fleetserve.platform.config import ConfigError, PlatformConfig, default_config, load_config
 from fleetserve.cli.autoscale import autoscale_app
+from fleetserve.cli.errors import print_error
 from fleetserve.cli.router import router_app
 
 app = typer.Typer(help="fleetserve: serve many LLMs behind one OpenAI-compatible endpoint.",
@@ -29,7 +30,7 @@ def _load(config_path: Optional[Path]) -> PlatformConfig:
     try:
         return load_config(config_path) if config_path else default_config()
     except ConfigError as error:
-        console.print(f"[red]error:[/] {error}")
+        print_error(error)
         raise typer.Exit(2) from None
 
 
@@ -60,8 +61,8 @@ def serve(
 
     if address is None and not bindable(host, port):
         # Serve's proxy would fail to bind after Ray and every engine had started, with a long traceback.
-        console.print(f"[red]error:[/] {host}:{port} is taken (another fleetserve, or another server); "
-                      f"pick another with --port or server.port")
+        print_error(f"{host}:{port} is taken (another fleetserve, or another server); "
+                    f"pick another with --port or server.port")
         raise typer.Exit(2)
     removed = remove_orphaned_segments()
     if removed:
@@ -69,7 +70,7 @@ def serve(
     try:
         application = build_app(config)  # resolves and converts model sources, with progress
     except ModelSourceError as error:
-        console.print(f"[red]error:[/] {error}")
+        print_error(error)
         raise typer.Exit(2) from None
 
     stop = threading.Event()
@@ -94,7 +95,7 @@ def serve(
                 pass
             console.print("stopping...")
     except (ClusterError, PlacementError, AppStartError) as error:
-        console.print(f"[red]error:[/] {escape(str(error))}")
+        print_error(error)
         raise typer.Exit(2 if isinstance(error, PlacementError) else 1) from None
     finally:
         remove_orphaned_segments()
@@ -134,14 +135,14 @@ def apply(
     try:
         join_cluster(address)
     except ClusterError as error:
-        console.print(f"[red]error:[/] {error}")
+        print_error(error)
         raise typer.Exit(1) from None
     try:
         change = plan_change(config)
         if placement_check:
             _check_placement(config)
     except (ConfigError, PlacementError) as error:
-        console.print(f"[red]error:[/] {error}")
+        print_error(error)
         raise typer.Exit(2) from None
     if change.is_empty:
         console.print("nothing to change: the running platform already serves this config")
@@ -155,7 +156,7 @@ def apply(
         with console.status("applying (new engines take ~30-90 s to start on CPU)"):
             apply_config(config)
     except (AppStartError, AdapterSyncError) as error:
-        console.print(f"[red]error:[/] {escape(str(error))}")
+        print_error(error)
         raise typer.Exit(1) from None
     console.print(f"[bold green]applied[/] in {time.monotonic() - started:.0f} s: the platform serves "
                   f"{', '.join(model.name for model in config.models)}")
@@ -207,10 +208,10 @@ def status(
             time.sleep(interval)
             after = fetch(url, client, time.monotonic())
         except httpx.HTTPStatusError as error:
-            console.print(f"[red]error:[/] cannot read {url.rstrip('/')}/metrics: {_status_refusal(error, api_key)}")
+            print_error(f"cannot read {url.rstrip('/')}/metrics: {_status_refusal(error, api_key)}")
             raise typer.Exit(1) from None
         except httpx.HTTPError as error:
-            console.print(f"[red]error:[/] cannot read {url.rstrip('/')}/metrics: {type(error).__name__}: {error}")
+            print_error(f"cannot read {url.rstrip('/')}/metrics: {type(error).__name__}: {error}")
             raise typer.Exit(1) from None
         if once:
             table = status_table(before, after, url)
@@ -227,7 +228,7 @@ def status(
             except KeyboardInterrupt:
                 pass
             except httpx.HTTPError as error:
-                console.print(f"[red]lost contact with {url}:[/] {error}")
+                console.print(f"[red]lost contact with {url}:[/] {escape(str(error))}")
                 raise typer.Exit(1) from None
 
 
@@ -239,7 +240,7 @@ def _k8s_status(name: str, namespace: str, kubeconfig: Optional[str], context: O
     try:
         status = rayservice_status(name, namespace, kubeconfig, context)
     except DeployError as error:
-        console.print(f"[red]error:[/] {error}")
+        print_error(error)
         raise typer.Exit(1) from None
     table = Table(title=f"RayService {namespace}/{name}")
     table.add_column("what")
@@ -278,7 +279,7 @@ def deploy(
         try:
             layers.append(yaml.safe_load(path.read_text()) or {})
         except (OSError, yaml.YAMLError) as error:
-            console.print(f"[red]error:[/] cannot read values file {path}: {error}")
+            print_error(f"cannot read values file {path}: {error}")
             raise typer.Exit(2) from None
     if config_path is not None:
         layers.append({"platform": _load(config_path).model_dump(mode="json", exclude_defaults=True)})
@@ -291,7 +292,7 @@ def deploy(
             return
         action = apply_rayservice(obj, kubeconfig, context)
     except DeployError as error:
-        console.print(f"[red]error:[/] {error}")
+        print_error(error)
         raise typer.Exit(1) from None
     console.print(f"RayService {namespace}/{name} {action}; watch it with "
                   f"`fleetserve status --k8s --name {name} --namespace {namespace}`")
@@ -321,14 +322,14 @@ def plan(
     try:
         spec = gpu_spec(gpu)
     except KeyError as error:
-        console.print(f"[red]error:[/] {error.args[0]}")
+        print_error(error.args[0])
         raise typer.Exit(2) from None
     inputs = PlanInputs(price_per_gpu_hour=price)
     try:
         plans = plan_config(config, spec, mig, inputs, context_len=context, concurrency=concurrency)
         assignments = pack(plans, spec)
     except PlanError as error:
-        console.print(f"[red]error:[/] {error}")
+        print_error(error)
         raise typer.Exit(2) from None
     # With the JSON on stdout, the tables go to stderr so that stdout parses.
     out = Console(width=160, stderr=json_out is not None and str(json_out) == "-")
@@ -493,7 +494,7 @@ def bench(
         else:
             raise datasets.DatasetError("--dataset-name must be random, shared-prefix, sharegpt, jsonl or trace")
     except ValueError as error:
-        console.print(f"[red]error:[/] {error}")
+        print_error(error)
         raise typer.Exit(2) from None
     described = {key: value for key, value in ctx.params.items()
                  if key.startswith(("dataset", "random_", "shared_", "trace_"))
@@ -509,7 +510,7 @@ def bench(
         try:
             result = asyncio.run(_run_with_progress(config, specs, maker.count if maker.tokenizer else None))
         except BenchError as error:
-            console.print(f"[red]error:[/] {error}")
+            print_error(error)
             raise typer.Exit(1) from None
         results.append(result)
         console.print(summary_table(result))
@@ -614,6 +615,6 @@ def bench_compare(files: Annotated[list[Path], typer.Argument(help="Result files
     try:
         console.print(compare_table(files))
     except ValueError as error:
-        console.print(f"[red]error:[/] {error}")
+        print_error(error)
         raise typer.Exit(2) from None
 
