@@ -177,7 +177,8 @@ def simulate_command(
                                             "day:DURATION:TROUGH:PEAK.")],
     policy: Annotated[Path, typer.Option(help="A model's autoscaling block as YAML, exactly as the platform config takes "
                                               "it, e.g. {policy: kv_cache, target_high: 0.75, max_replicas: 8}.")],
-    compare: Annotated[Optional[list[Path]], typer.Option(help="More policy YAMLs to run on the same trace.")] = None,
+    compare: Annotated[Optional[list[Path]], typer.Option(help="Another policy YAML to run on the same trace; "
+                                                               "repeat for each.")] = None,
     profile: Annotated[Optional[Path], typer.Option(help="Replica profile YAML (ReplicaProfile fields); default: the "
                                                         "first slo policy's profile, else built-in.")] = None,
     slo_ttft: Annotated[Optional[float], typer.Option(help="TTFT target in seconds; default: the first slo policy's "
