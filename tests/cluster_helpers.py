@@ -63,17 +63,18 @@ def kill(actor_name: str) -> None:
     ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
 
 
-def engine_core_pids(deployment: str) -> list[int]:
-    """The pids of the vLLM engine core processes a deployment's live Serve replicas started, one per replica,
-    found under each replica actor's own process (its pid from Ray's actor table)."""
+def engine_core_pids(deployment: str) -> dict[str, int]:
+    """Replica id (as x-fleetserve-replica names it) -> the pid of the vLLM engine core process it started, for a
+    deployment's live Serve replicas, found under each replica actor's own process (its pid from Ray's actor
+    table; the actor's name ends with the replica id)."""
     import psutil
     from ray._private import state
 
-    actor_pids = [actor["Pid"] for actor in state.actors().values()
+    actor_pids = {actor["Name"].rsplit("#", 1)[-1]: actor["Pid"] for actor in state.actors().values()
                   if actor["State"] == "ALIVE" and f"#{deployment}#" in (actor["Name"] or "")
-                  and actor["Name"].startswith("SERVE_REPLICA")]
-    cores = [child.pid for pid in actor_pids for child in psutil.Process(pid).children(recursive=True)
-             if "EngineCore" in " ".join(child.cmdline())]
+                  and actor["Name"].startswith("SERVE_REPLICA")}
+    cores = {replica_id: child.pid for replica_id, pid in actor_pids.items()
+             for child in psutil.Process(pid).children(recursive=True) if "EngineCore" in " ".join(child.cmdline())}
     if len(cores) != len(actor_pids):
         seen = [(process.pid, process.ppid(), " ".join(process.cmdline())[:60]) for process in psutil.process_iter()
                 if "VLLM" in " ".join(process.cmdline()) or "ServeReplica" in " ".join(process.cmdline())]

@@ -26,6 +26,12 @@ class FakeTokenizer:
         return [hash(word) % self.vocab_size for word in text.split()]
 
 
+# What vLLM's stream generators send when the engine dies under them (create_streaming_error_response of its
+# EngineDeadError, a VLLMServerError).
+VLLM_ENGINE_DEAD_EVENT = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root "
+                                               "cause.", "type": "InternalServerError", "param": None, "code": 500}}
+
+
 def _error(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
     # vLLM's error body shape.
     return JSONResponse({"error": {"message": message, "type": "BadRequestError", "param": param, "code": status}},
@@ -38,6 +44,8 @@ class FakeEngine:
     first_token_s = 0.0
     token_interval_s = 0.0
     max_model_len = 64
+    # Set by a test: the engine core dies after this many tokens of a stream, which vLLM ends with its error.
+    die_after_tokens: int | None = None
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
@@ -128,6 +136,11 @@ class FakeEngine:
                 async def events():
                     count = 0
                     async for text, finish in tokens:
+                        if count == self.die_after_tokens:
+                            self.errored = True
+                            yield f"data: {json.dumps(VLLM_ENGINE_DEAD_EVENT)}\n\n"
+                            yield "data: [DONE]\n\n"
+                            return
                         count += bool(text)
                         delta = ({"role": "assistant", "content": text} if count <= 1 else {"content": text})
                         choice = ({"index": 0, "delta": delta, "finish_reason": finish} if chat

@@ -30,7 +30,7 @@ from fleetserve.platform.engine import Engine, EngineDeadError
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics, StartupPhase
 from fleetserve.platform.model_store import resolve_source
-from fleetserve.platform.relay import relay, request_headers
+from fleetserve.platform.relay import relay, request_headers, with_engine_death_errors
 from fleetserve.platform.replica_adapters import ReplicaAdapters
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
 from fleetserve.platform.stall import StallWatch
@@ -146,10 +146,13 @@ class EngineServer:
         Raises:
             EngineDeadError: the head of vLLM's 5xx for a request its engine, dead meanwhile, could not take.
         """
+        if self.engine.errored:
+            if chunk.head is not None and chunk.head.status_code >= 500:
+                raise EngineDeadError(self.replica_id)
+            # A stream the engine died during: say so, where vLLM points at a stack trace the client lacks.
+            chunk = dataclasses.replace(chunk, data=with_engine_death_errors(chunk.data, self.replica_id))
         if chunk.head is None:
             return chunk
-        if chunk.head.status_code >= 500 and self.engine.errored:
-            raise EngineDeadError(self.replica_id)
         if chunk.head.status_code == 404 and chunk.data.startswith(b'{"detail"'):
             # vLLM's app has no such route for this model (FastAPI's own 404): say so in OpenAI's form.
             chunk = dataclasses.replace(chunk, data=json.dumps({"error": {

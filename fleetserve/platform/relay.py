@@ -12,6 +12,8 @@ from fleetserve.platform.asgi_call import AppStart
 
 # vLLM's usage event in a chat or completions stream: a chunk with no choices.
 _USAGE_MARK = b'"choices":[],'
+# vLLM's error event in a chat or completions stream.
+_ERROR_EVENT = b'data: {"error"'
 
 
 def request_headers(request: ApiRequest) -> list[tuple[bytes, bytes]]:
@@ -34,6 +36,19 @@ def split_usage_event(data: bytes) -> tuple[bytes, TokenUsage | None]:
     except ValueError:
         return data, None
     return data[:start] + data[end + 2:], usage
+
+
+def with_engine_death_errors(data: bytes, replica_id: str) -> bytes:
+    """``data`` with each of vLLM's stream error events replaced by the one for a dead engine.
+
+    vLLM ends a stream whose engine died with an ``InternalServerError`` saying "EngineCore encountered an
+    issue. See stack trace (above) for the root cause.", a trace no client has; the client gets what the
+    ingress sends when a replica dies mid-stream instead: ``service_unavailable``, code ``engine_unavailable``.
+    """
+    event = b"data: " + json.dumps({"error": {
+        "message": f"the model's engine died during the response (replica {replica_id}); retry the request",
+        "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}).encode()
+    return b"\n\n".join(event if part.startswith(_ERROR_EVENT) else part for part in data.split(b"\n\n"))
 
 
 async def relay(events: AsyncIterator[AppStart | bytes], head: ResponseHead,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -198,6 +199,26 @@ async def test_a_dead_engine_fails_the_request_over_to_another_replica(fake_engi
     assert response.status_code == 200 and response.json()["choices"][0]["text"] == "w0 w1 w2"
     assert replicas.called_ids == ["r0", "r1"] and replicas.servers[0].engine.bodies == []
     assert 'fleetserve_engine_retries_total{model="fake"} 1.0' in app.platform_metrics.exposition().decode()
+
+
+async def test_an_engine_dying_mid_stream_ends_it_with_engine_unavailable_not_vllms_trace_pointer(fake_engine_cls):
+    class DiesAfterTwo(fake_engine_cls):
+        die_after_tokens = 2
+        token_interval_s = 0.05  # one event per replica chunk
+
+    replicas = TwoReplicas(DiesAfterTwo)
+    app = OpenAIIngress({"fake": replicas})
+    async with http(app) as client:
+        response = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 5,
+                                                               "stream": True})
+    events = [event.removeprefix("data: ") for event in response.text.split("\n\n") if event]
+    # Two tokens reached the client, so the stream cannot be sent again; it ends as a replica's death mid-stream
+    # does. Before, vLLM's InternalServerError "See stack trace (above)" reached the client.
+    assert [json.loads(event)["choices"][0]["text"] for event in events[:2]] == ["w0", " w1"]
+    assert json.loads(events[2]) == {"error": {
+        "message": "the model's engine died during the response (replica r0); retry the request",
+        "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}
+    assert events[3:] == ["[DONE]"] and replicas.called_ids == ["r0"] and app.in_flight == {"fake": 0}
 
 
 async def test_a_dead_engine_with_no_other_replica_is_a_503_naming_it(fake_engine_cls):

@@ -180,6 +180,24 @@ def burst(api_url: str, timeout_s: float) -> list[httpx.Response]:
     return asyncio.run(send())
 
 
+def stream_through_engine_death(api_url: str, engine_pids: dict[str, int]) -> list:
+    """A 900-token stream whose replica's engine core is killed (SIGKILL, its replica lives on) once the first
+    event has arrived; every event it then got, parsed ("[DONE]" as is)."""
+    import os
+    import signal
+
+    events = []
+    with httpx.stream("POST", f"{api_url}/completions", timeout=120, json={
+            "model": BASE, "prompt": "a long story", "max_tokens": 900, "ignore_eos": True, "stream": True}) as stream:
+        for line in stream.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:] if line == "data: [DONE]" else json.loads(line[6:]))
+            if len(events) == 1:
+                os.kill(engine_pids[stream.headers["x-fleetserve-replica"]], signal.SIGKILL)
+    return events
+
+
 @pytest.mark.parametrize("fault", ["dies", "hangs"])
 def test_a_replica_whose_engine_fails_is_replaced_and_every_request_served(lora_app, fault):
     import os
@@ -193,22 +211,28 @@ def test_a_replica_whose_engine_fails_is_replaced_and_every_request_served(lora_
     engine_pids = engine_core_pids(deployment)
     assert len(before) == len(engine_pids) == 2
     if fault == "dies":
-        os.kill(engine_pids[0], signal.SIGKILL)  # its replica lives on, unhealthy
+        events = stream_through_engine_death(lora_app.api_url, engine_pids)
+        # The stream its engine died under ends as a replica's death mid-stream does (before: vLLM's
+        # InternalServerError "See stack trace (above) for the root cause").
+        assert events[-2]["error"]["code"] == "engine_unavailable" and events[-1] == "[DONE]"
+        assert "the model's engine died during the response" in events[-2]["error"]["message"]
+        assert all("choices" in event for event in events[:-2]) and len(events) < 2 + 900
         time.sleep(0.5)  # vLLM's monitor marks the engine dead when its process goes
         responses = burst(lora_app.api_url, timeout_s=60)
         # Each request the dead replica got was refused before any output and sent to the live one (before,
         # each was a 500 "'State' object has no attribute 'server'" until Serve replaced the replica).
         assert len({response.headers["x-fleetserve-replica"] for response in responses}) == 1
     else:
-        os.kill(engine_pids[0], signal.SIGSTOP)  # hung: neither dead nor erring, so vLLM's health check passes
+        hung = next(iter(engine_pids.values()))
+        os.kill(hung, signal.SIGSTOP)  # hung: neither dead nor erring, so vLLM's health check passes
         try:
             # Those the hung engine held wait until its replica fails its health check (a 20 s stall, then
             # Serve's 3 failed checks 10 s apart) and is stopped; with no output yet, each is sent again. Before,
             # they waited for their 300 s progress timeout, past this client's 280 s.
             responses = burst(lora_app.api_url, timeout_s=280)
         finally:
-            if os.path.exists(f"/proc/{engine_pids[0]}"):
-                os.kill(engine_pids[0], signal.SIGKILL)
+            if os.path.exists(f"/proc/{hung}"):
+                os.kill(hung, signal.SIGKILL)
     assert [response.status_code for response in responses] == [200] * 12, [r.text for r in responses]
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and (set(replica_actors(deployment)) >= set(before)
