@@ -1,6 +1,8 @@
-"""The session key the replica router reads, from the fields of a request."""
+"""What the ingress reads from a request: the session key the replica router reads, and the outputs it asks for."""
 
 from __future__ import annotations
+
+import pytest
 
 from fleetserve.deployments.ingress.request_fields import read_fields
 from fleetserve.platform.api_types import Endpoint
@@ -27,3 +29,16 @@ def test_the_session_header_wins():
 
 def test_no_key_gives_no_session():
     assert session(prompt_cache_key="", user=7) is None
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "num_sequences"), [
+    (Endpoint.CHAT, {"messages": MESSAGES, "n": 3}, 3),
+    (Endpoint.COMPLETIONS, {"prompt": ["a", "b"], "n": 2}, 4),        # 2 prompts x n=2
+    (Endpoint.COMPLETIONS, {"prompt": [[1, 2], [3]]}, 2),             # 2 prompts as token ids
+    (Endpoint.COMPLETIONS, {"prompt": [1, 2, 3]}, 1),                 # one prompt as token ids
+    (Endpoint.COMPLETIONS, {"prompt": "a", "n": "3"}, 1),             # vLLM refuses a malformed n
+    (Endpoint.CHAT, {"messages": MESSAGES, "n": True}, 1),
+    (Endpoint.RESPONSES, {"input": "a", "n": 4}, 1),                  # not a Responses field
+])
+def test_outputs_asked_for_count_n_and_each_prompt(endpoint, fields, num_sequences):
+    assert read_fields(endpoint, {"model": "m", **fields}).num_sequences == num_sequences

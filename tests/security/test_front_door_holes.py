@@ -66,6 +66,14 @@ async def test_without_a_limit_the_charge_is_what_the_context_leaves(fake_engine
     assert tokens_left(app) == TOKENS_PER_MINUTE - 64
 
 
+async def test_each_of_n_outputs_is_charged_the_budget(fake_engine_cls):
+    app, _ = ingress(fake_engine_cls)
+    async with http(app) as client:
+        assert (await client.post("/v1/chat/completions", json={**CHAT, "n": 3, "max_tokens": 8})).status_code == 200
+    # 2 prompt tokens + 3 outputs x 8 tokens; before, n was free: 2 + 8.
+    assert tokens_left(app) == TOKENS_PER_MINUTE - 26
+
+
 async def test_a_request_the_engine_refuses_is_charged_nothing(fake_engine_cls):
     app, _ = ingress(fake_engine_cls, requests_per_minute=1)
     async with http(app) as client:

@@ -39,6 +39,9 @@ class RequestFields:
     # The output budget the body asks for; None leaves it to vLLM (the rest of the context).
     max_tokens: int | None
     stream: bool
+    # The outputs the request asks for, each with the whole budget: `n` of each prompt (a completions
+    # prompt may be a list of prompts).
+    num_sequences: int = 1
 
     @property
     def num_messages(self) -> int:
@@ -157,6 +160,18 @@ def _max_tokens(endpoint: Endpoint, payload: dict[str, Any]) -> int | None:
     return DEFAULT_COMPLETION_MAX_TOKENS if endpoint is Endpoint.COMPLETIONS else None
 
 
+def _num_sequences(endpoint: Endpoint, payload: dict[str, Any]) -> int:
+    """``n`` times the number of prompts; a malformed ``n`` counts as 1 (vLLM refuses it)."""
+    if endpoint not in (Endpoint.CHAT, Endpoint.COMPLETIONS):
+        return 1
+    n = payload.get("n")
+    num_choices = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+    prompt = payload.get("prompt")
+    batched = (endpoint is Endpoint.COMPLETIONS and isinstance(prompt, list) and prompt
+               and all(isinstance(item, (str, list)) for item in prompt))
+    return num_choices * (len(prompt) if batched else 1)
+
+
 def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
     """The fields the ingress needs from a request to ``endpoint``.
 
@@ -180,4 +195,5 @@ def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
     if payload.get("stream_options") is not None and not stream:
         # OpenAI's rule: stream options only mean something on a stream.
         raise APIError("`stream_options` is only allowed when `stream` is true", 400, param="stream_options")
-    return RequestFields(model, payload, messages, prompt, _max_tokens(endpoint, payload), stream)
+    return RequestFields(model, payload, messages, prompt, _max_tokens(endpoint, payload), stream,
+                         _num_sequences(endpoint, payload))

@@ -289,9 +289,12 @@ def estimated_prompt_tokens(prompt_text: str) -> int:
     return math.ceil(len(prompt_text) / 4)
 
 
-def estimated_tokens(prompt_text: str, max_tokens: int | None, default_max_tokens: int = 256) -> int:
-    """What a request is charged at admission: its estimated prompt tokens plus its output budget."""
-    return estimated_prompt_tokens(prompt_text) + (max_tokens if max_tokens is not None else default_max_tokens)
+def estimated_tokens(prompt_text: str, max_tokens: int | None, num_sequences: int = 1,
+                     default_max_tokens: int = 256) -> int:
+    """What a request is charged at admission: its estimated prompt tokens plus its output budget for each of
+    the ``num_sequences`` outputs it asks for (``n``, times a completion's prompts)."""
+    budget = max_tokens if max_tokens is not None else default_max_tokens
+    return estimated_prompt_tokens(prompt_text) + budget * num_sequences
 
 
 class FrontDoor:

@@ -352,7 +352,7 @@ class OpenAIIngress:
             self._client(fields.model)  # a 404 naming the models, as without auth
         config = self._config(fields.model)
         budget = effective_max_tokens(fields, self.limits, config.engine_args.max_model_len if config else None)
-        tokens = estimated_tokens(fields.prompt_text, budget)
+        tokens = estimated_tokens(fields.prompt_text, budget, fields.num_sequences)
         self.front_door.limiter.admit(principal.tenant, tokens)
         return principal.tenant, tokens
 
