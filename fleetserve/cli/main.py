@@ -73,9 +73,15 @@ def serve(
         print_error(error)
         raise typer.Exit(2) from None
 
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    stop, started = threading.Event(), threading.Event()
+
+    def on_signal(*_: object) -> None:
+        if not started.is_set():
+            raise KeyboardInterrupt  # abandons the start-up (minutes on a big model): start_ray stops what started
+        stop.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
     names = ", ".join(model.name for model in config.models)
     runtime_env = local_cluster_runtime_env(config.server) if address is None else serve_runtime_env(config.server)
     moved = {name: port for name, port in runtime_env.get("env_vars", {}).items() if name in HAPROXY_PORT_ENV}
@@ -86,8 +92,13 @@ def serve(
         with start_ray(verbose, address, runtime_env) as session:
             if placement_check:
                 _check_placement(config)
-            with console.status(f"deploying {names} (engines take ~30-90 s to start on CPU)"):
-                session.deploy(application, host, port, config.server.proxy_location)
+            try:
+                with console.status(f"deploying {names} (engines take ~30-90 s to start on CPU)"):
+                    session.deploy(application, host, port, config.server.proxy_location)
+            except KeyboardInterrupt:
+                console.print("stopping during start-up (Ctrl-C again: at once)...")
+                raise
+            started.set()
             console.print(f"[bold green]fleetserve ready[/] at http://{host}:{port}/v1  models: {names}")
             console.print("Ctrl-C to stop.")
             print(f"READY http://{host}:{port}/v1", flush=True)
@@ -97,6 +108,9 @@ def serve(
     except (ClusterError, PlacementError, AppStartError) as error:
         print_error(error)
         raise typer.Exit(2 if isinstance(error, PlacementError) else 1) from None
+    except KeyboardInterrupt:
+        console.print("[yellow]stopped before the platform was ready[/]")
+        raise typer.Exit(130) from None
     finally:
         remove_orphaned_segments()
     console.print("[green]stopped cleanly[/]")

@@ -39,6 +39,32 @@ def test_serve_starts_answers_and_stops_on_sigint(tmp_path):
         httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
 
 
+@pytest.mark.slow
+def test_sigint_during_start_up_stops_it(tmp_path):
+    import time
+
+    port = free_port()
+    env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    log_path = tmp_path / "serve.log"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fleetserve.cli", "serve", str(ROOT / "examples" / "tiny.yaml"), "--port", str(port)],
+        stdout=subprocess.PIPE, stderr=log_path.open("w"), text=True, env=env, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        while "Started Serve" not in log_path.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "Started Serve" in log_path.read_text(), log_path.read_text()[-3000:]
+        process.send_signal(signal.SIGINT)  # the engines are still starting
+        # Before, the signal waited for the start-up to finish, and the platform then served until a second one.
+        assert process.wait(timeout=120) == 130
+    finally:
+        if process.poll() is None:
+            process.kill()
+    log = log_path.read_text()
+    assert "stopping during start-up" in log and "stopped before the platform was ready" in log
+    assert "READY" not in process.stdout.read()
+
+
 def test_serve_rejects_a_bad_config_with_the_key(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("models:\n  - name: m\n    source: tiny-random-llama\n    replicas: -1\n")
