@@ -9,6 +9,7 @@ from ray import serve
 
 from fleetserve.deployments.builders import build_app
 from fleetserve.deployments.local_run import APP_NAME, run_application
+from fleetserve.deployments.metrics_hub import HUB_DEPLOYMENT
 from fleetserve.platform.config import ConfigError, PlatformConfig
 from fleetserve.platform.config.diff import ConfigChange, diff_configs
 from fleetserve.platform.lora_store import AdapterSourceError, check_adapter_source
@@ -32,7 +33,6 @@ def running_config(app_name: str = APP_NAME) -> PlatformConfig:
 # How long apply waits for every replica of a base model to serve its changed adapters.
 ADAPTER_SYNC_TIMEOUT_S = 60.0
 ADAPTER_POLL_S = 0.5
-HUB_DEPLOYMENT = "metrics-hub"
 
 
 class AdapterSyncError(Exception):
@@ -83,6 +83,8 @@ def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix:
     Raises:
         ConfigError: as ``plan_change``.
         AppStartError: a deployment failed to start, with its replicas' own error.
+        AdapterSyncError: replicas that did not serve a model's changed adapters within
+            ``ADAPTER_SYNC_TIMEOUT_S``.
     """
     change = plan_change(config, app_name)
     run_application(build_app(config), app_name, route_prefix)

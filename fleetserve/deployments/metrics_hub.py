@@ -112,7 +112,11 @@ class MetricsHub:
         return [entry.exposition for entry in self._latest.values()], dict(counts)
 
 
-@serve.deployment(name="metrics-hub", num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0},
+# The hub's Serve deployment name, for handles to it (fleetserve apply waits on its adapter registry).
+HUB_DEPLOYMENT = "metrics-hub"
+
+
+@serve.deployment(name=HUB_DEPLOYMENT, num_replicas=1, max_ongoing_requests=10_000, ray_actor_options={"num_cpus": 0},
                   logging_config={"enable_access_log": False})  # a push per replica per second
 class MetricsHubDeployment(MetricsHub):
     """Ray Serve replica of the hub; one per application. Also relays the autoscaler's metrics, which

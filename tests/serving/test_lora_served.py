@@ -143,6 +143,7 @@ def test_adapter_loaded_at_run_time_serves_on_both_replicas_then_unloads(lora_ap
 def test_a_replica_started_later_serves_the_current_adapter_set(lora_app, reference):
     from ray import serve
 
+    from fleetserve.deployments.metrics_hub import HUB_DEPLOYMENT
     from fleetserve.deployments.serve_options import deployment_name
 
     loaded = change(lora_app.base_url, "load", {"lora_name": "tiny-d", "lora_path": RUNTIME["tiny-d"]})
@@ -155,7 +156,7 @@ def test_a_replica_started_later_serves_the_current_adapter_set(lora_app, refere
                                            or len(replica_actors(deployment)) < 2):
         time.sleep(1)
     assert wait_until_healthy("lora") < float("inf")
-    hub = serve.get_deployment_handle("metrics-hub", "lora")
+    hub = serve.get_deployment_handle(HUB_DEPLOYMENT, "lora")
     version = hub.adapter_set.remote(BASE).result().version
     progress = None
     while time.monotonic() < deadline:
