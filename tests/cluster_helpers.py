@@ -63,18 +63,28 @@ def kill(actor_name: str) -> None:
     ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
 
 
-def engine_core_pids(deployment: str) -> dict[str, int]:
+def engine_core_pids(deployment: str, timeout_s: float = 120.0) -> dict[str, int]:
     """Replica id (as x-fleetserve-replica names it) -> the pid of the vLLM engine core process it started, for a
     deployment's live Serve replicas, found under each replica actor's own process (its pid from Ray's actor
-    table; the actor's name ends with the replica id)."""
+    table; the actor's name ends with the replica id). Waits up to ``timeout_s`` for a replica still starting
+    its engine (one Serve started in place of a dead one may not have yet)."""
     import psutil
     from ray._private import state
 
-    actor_pids = {actor["Name"].rsplit("#", 1)[-1]: actor["Pid"] for actor in state.actors().values()
-                  if actor["State"] == "ALIVE" and f"#{deployment}#" in (actor["Name"] or "")
-                  and actor["Name"].startswith("SERVE_REPLICA")}
-    cores = {replica_id: child.pid for replica_id, pid in actor_pids.items()
-             for child in psutil.Process(pid).children(recursive=True) if "EngineCore" in " ".join(child.cmdline())}
+    deadline = time.monotonic() + timeout_s
+    while True:
+        actor_pids = {actor["Name"].rsplit("#", 1)[-1]: actor["Pid"] for actor in state.actors().values()
+                      if actor["State"] == "ALIVE" and f"#{deployment}#" in (actor["Name"] or "")
+                      and actor["Name"].startswith("SERVE_REPLICA")}
+        try:
+            cores = {replica_id: child.pid for replica_id, pid in actor_pids.items()
+                     for child in psutil.Process(pid).children(recursive=True)
+                     if "EngineCore" in " ".join(child.cmdline())}
+        except psutil.NoSuchProcess:  # a replica that stopped since the actor table was read
+            cores = {}
+        if len(cores) == len(actor_pids) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
     if len(cores) != len(actor_pids):
         seen = [(process.pid, process.ppid(), " ".join(process.cmdline())[:60]) for process in psutil.process_iter()
                 if "VLLM" in " ".join(process.cmdline()) or "ServeReplica" in " ".join(process.cmdline())]
