@@ -19,6 +19,10 @@ from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry, Ada
 from fleetserve.platform.replica_report import ReplicaReport
 
 
+# A replica silent this long is gone (dead or scaled down): its series, report and adapter progress drop.
+REPLICA_TTL_S = 15.0
+
+
 @dataclass(frozen=True)
 class Publication:
     """What one replica last published."""
@@ -40,7 +44,7 @@ class MetricsHub:
         ttl_s: a replica silent this long is gone (dead or scaled down) and its series are dropped.
     """
 
-    def __init__(self, adapters: dict[str, dict[str, str]] | None = None, ttl_s: float = 15.0) -> None:
+    def __init__(self, adapters: dict[str, dict[str, str]] | None = None, ttl_s: float = REPLICA_TTL_S) -> None:
         self.ttl_s = ttl_s
         self.adapters = AdapterRegistry(adapters)
         self._latest: dict[str, Publication] = {}
