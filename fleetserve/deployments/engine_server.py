@@ -30,7 +30,7 @@ from fleetserve.platform.engine import Engine, EngineDeadError
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics, StartupPhase
 from fleetserve.platform.model_store import resolve_source
-from fleetserve.platform.relay import relay, request_headers, with_engine_death_errors
+from fleetserve.platform.relay import ERROR_EVENT, relay, request_headers, with_engine_death_errors
 from fleetserve.platform.replica_adapters import ReplicaAdapters
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
 from fleetserve.platform.stall import StallWatch
@@ -144,11 +144,12 @@ class EngineServer:
         """A chunk of vLLM's response as the client should get it.
 
         Raises:
-            EngineDeadError: the head of vLLM's 5xx for a request its engine, dead meanwhile, could not take.
+            EngineDeadError: the head of vLLM's 5xx, or of a stream that begins with its error event, for a
+                request its engine, dead meanwhile, could not take.
         """
         if self.engine.errored:
-            if chunk.head is not None and chunk.head.status_code >= 500:
-                raise EngineDeadError(self.replica_id)
+            if chunk.head is not None and (chunk.head.status_code >= 500 or chunk.data.startswith(ERROR_EVENT)):
+                raise EngineDeadError(self.replica_id)  # nothing was generated: another replica can take it
             # A stream the engine died during: say so, where vLLM points at a stack trace the client lacks.
             chunk = dataclasses.replace(chunk, data=with_engine_death_errors(chunk.data, self.replica_id))
         if chunk.head is None:

@@ -13,7 +13,7 @@ from fleetserve.platform.asgi_call import AppStart
 # vLLM's usage event in a chat or completions stream: a chunk with no choices.
 _USAGE_MARK = b'"choices":[],'
 # vLLM's error event in a chat or completions stream.
-_ERROR_EVENT = b'data: {"error"'
+ERROR_EVENT = b'data: {"error"'
 
 
 def request_headers(request: ApiRequest) -> list[tuple[bytes, bytes]]:
@@ -48,7 +48,7 @@ def with_engine_death_errors(data: bytes, replica_id: str) -> bytes:
     event = b"data: " + json.dumps({"error": {
         "message": f"the model's engine died during the response (replica {replica_id}); retry the request",
         "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}).encode()
-    return b"\n\n".join(event if part.startswith(_ERROR_EVENT) else part for part in data.split(b"\n\n"))
+    return b"\n\n".join(event if part.startswith(ERROR_EVENT) else part for part in data.split(b"\n\n"))
 
 
 async def relay(events: AsyncIterator[AppStart | bytes], head: ResponseHead,

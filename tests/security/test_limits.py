@@ -221,6 +221,20 @@ async def test_an_engine_dying_mid_stream_ends_it_with_engine_unavailable_not_vl
     assert events[3:] == ["[DONE]"] and replicas.called_ids == ["r0"] and app.in_flight == {"fake": 0}
 
 
+async def test_a_stream_whose_engine_dies_before_its_first_token_is_sent_again(fake_engine_cls):
+    replicas = TwoReplicas(fake_engine_cls)
+    replicas.servers[0].engine.die_after_tokens = 0
+    app = OpenAIIngress({"fake": replicas}, limits=LimitsConfig(max_unstarted_retries=2))
+    async with http(app) as client:
+        response = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 3,
+                                                               "stream": True})
+    # r0's stream began with vLLM's error event, before any token: r1 served it, and the client saw only that.
+    # Before, the stream was relayed with the error (HTTP 200) though nothing had been generated.
+    events = [event.removeprefix("data: ") for event in response.text.split("\n\n") if event]
+    assert [json.loads(event)["choices"][0]["text"] for event in events[:-1]] == ["w0", " w1", " w2"]
+    assert events[-1] == "[DONE]" and replicas.called_ids == ["r0", "r1"] and app.in_flight == {"fake": 0}
+
+
 async def test_a_dead_engine_with_no_other_replica_is_a_503_naming_it(fake_engine_cls):
     replicas = TwoReplicas(fake_engine_cls)
     for server in replicas.servers:
