@@ -77,19 +77,22 @@ def engine_core_pids(deployment: str, timeout_s: float = 120.0) -> dict[str, int
                       if actor["State"] == "ALIVE" and f"#{deployment}#" in (actor["Name"] or "")
                       and actor["Name"].startswith("SERVE_REPLICA")}
         try:
+            # By the kernel's process name as well as the command line: vLLM sets both, and a full-suite run
+            # once found a replica's engine core whose command line did not carry it.
             cores = {replica_id: child.pid for replica_id, pid in actor_pids.items()
                      for child in psutil.Process(pid).children(recursive=True)
-                     if "EngineCore" in " ".join(child.cmdline())}
+                     if "EngineCor" in child.name() or "EngineCore" in " ".join(child.cmdline())}
         except psutil.NoSuchProcess:  # a replica that stopped since the actor table was read
             cores = {}
         if len(cores) == len(actor_pids) or time.monotonic() > deadline:
             break
         time.sleep(1)
     if len(cores) != len(actor_pids):
-        seen = [(process.pid, process.ppid(), " ".join(process.cmdline())[:60]) for process in psutil.process_iter()
-                if "VLLM" in " ".join(process.cmdline()) or "ServeReplica" in " ".join(process.cmdline())]
+        seen = [(process.pid, process.ppid(), process.name(), " ".join(process.cmdline())[:60])
+                for process in psutil.process_iter() if process.ppid() in actor_pids.values()
+                or "VLLM" in " ".join(process.cmdline()) or "ServeReplica" in " ".join(process.cmdline())]
         raise AssertionError(f"replica actors {actor_pids} of {deployment} have engine cores {cores}; "
-                             f"processes (pid, parent, command): {seen}")
+                             f"processes (pid, parent, name, command): {seen}")
     return cores
 
 
