@@ -286,7 +286,7 @@ def deploy(
     import yaml
 
     from fleetserve.ops.kube import CHART, DeployError, apply_rayservice, check_placement, merge_values, \
-        render_rayservice
+        render_rayservice, unmounted_paths
 
     layers = []
     for path in values:
@@ -301,6 +301,7 @@ def deploy(
         merged = merge_values(*layers)
         check_placement(merged)
         obj = render_rayservice(merged, name, namespace, chart or CHART)
+        _warn_unmounted(unmounted_paths(obj))
         if dry_run:
             typer.echo(yaml.safe_dump(obj, sort_keys=False))
             return
@@ -310,6 +311,23 @@ def deploy(
         raise typer.Exit(1) from None
     console.print(f"RayService {namespace}/{name} {action}; watch it with "
                   f"`fleetserve status --k8s --name {name} --namespace {namespace}`")
+
+
+def _warn_unmounted(paths) -> None:
+    if paths:
+        listed = "; ".join(f"{item.key}: {item.path}" for item in paths)
+        console.print(f"warning: the pods mount no volume holding these paths from the platform config, so "
+                          f"unless the image holds them its replicas will not find them: {listed}. Mount them "
+                          f"with the values' extraVolumes and extraVolumeMounts (docs/kubernetes.md).",
+                          style="yellow", markup=False)
+
+
+def _warn_unmounted_in_values(values: dict) -> None:
+    try:
+        from fleetserve.ops.kube import render_rayservice, unmounted_paths
+    except ImportError:  # without the k8s extra there is no chart renderer; `fleetserve deploy` needs it anyway
+        return
+    _warn_unmounted(unmounted_paths(render_rayservice(values, "fleetserve", "default")))
 
 
 @app.command()
@@ -357,6 +375,7 @@ def plan(
         emit_values.write_text("# Written by `fleetserve plan`; pass to helm/fleetserve with -f.\n"
                                + yaml.safe_dump(values, sort_keys=False))
         console.print(f"chart values: {emit_values}")
+        _warn_unmounted_in_values(values)
 
 
 app.add_typer(router_app, name="router")

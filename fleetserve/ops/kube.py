@@ -12,7 +12,8 @@ from typing import Any
 
 import yaml
 
-from fleetserve.platform.config import RAY_MIG_RESOURCE_PREFIX
+from fleetserve.platform.config import RAY_MIG_RESOURCE_PREFIX, parse_config
+from fleetserve.platform.config.paths import ConfigPath, config_paths, outside
 
 CHART = Path(__file__).resolve().parents[2] / "helm" / "fleetserve"
 GROUP, VERSION, PLURAL = "ray.io", "v1", "rayservices"
@@ -101,6 +102,15 @@ def render_rayservice(values: dict[str, Any], name: str, namespace: str, chart: 
                 doc["metadata"]["namespace"] = namespace
                 return doc
     raise DeployError("the chart rendered no RayService")
+
+
+def unmounted_paths(obj: dict[str, Any]) -> list[ConfigPath]:
+    """The paths a rendered RayService's platform config names that lie under none of its head pod's volume
+    mounts (every pod mounts the same volumes): unless the image holds them, its replicas will not find them."""
+    serve_config = yaml.safe_load(obj["spec"]["serveConfigV2"])
+    platform = parse_config(serve_config["applications"][0]["args"]["platform"], origin="the values' platform")
+    [container] = obj["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"]
+    return outside(config_paths(platform), [mount["mountPath"] for mount in container.get("volumeMounts") or []])
 
 
 def _api(kubeconfig: str | None, context: str | None) -> Any:

@@ -251,6 +251,20 @@ def test_the_model_cache_takes_a_claim_or_can_be_left_out():
     assert "env" not in head["template"]["spec"]["containers"][0]
 
 
+def test_extra_volumes_mount_in_every_pod_beside_the_charts_own():
+    claim = {"name": "routers", "persistentVolumeClaim": {"claimName": "fleetserve-routers"}}
+    mount = {"name": "routers", "mountPath": "/models/routers", "readOnly": True}
+    service = find(render({"workerGroups": {"colocated-3g-40gb": MIG_GROUP},
+                           "extraVolumes": [claim], "extraVolumeMounts": [mount]}), "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"]["template"]["spec"],
+                *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]:
+        assert [volume["name"] for volume in pod["volumes"]] == ["api-keys", "model-cache", "routers"]
+        assert pod["volumes"][-1] == claim
+        assert pod["containers"][0]["volumeMounts"][-1] == mount
+    jsonschema_validate_rayservice(service)
+
+
 @pytest.mark.parametrize("server", [{}, {"serve_fast_path": True}, {"serve_fast_path": False}])
 def test_every_pod_takes_serves_fast_path_as_the_platform_config_says(server):
     from fleetserve.deployments.serve_options import FAST_PATH_ENV
@@ -276,6 +290,7 @@ def test_every_pod_takes_serves_fast_path_as_the_platform_config_says(server):
     ({"replicaCount": 3}, "additional properties 'replicaCount' not allowed"),
     ({"platform": {"models": []}}, "/platform/models"),
     ({"modelCache": {"hostPath": "cache"}}, "/modelCache/hostPath"),
+    ({"extraVolumeMounts": [{"name": "routers", "mountPath": "models"}]}, "/extraVolumeMounts/0/mountPath"),
 ])
 def test_invalid_values_are_rejected_with_the_key_path(values, message):
     with pytest.raises(helm.HelmValuesError, match=message):

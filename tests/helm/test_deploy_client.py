@@ -201,3 +201,37 @@ def test_deploy_accepts_a_model_on_a_slice_its_values_offer(cluster, tmp_path):
     result = run("deploy", "-f", str(values), "--kubeconfig", kubeconfig, "--dry-run")
     assert result.exit_code == 0, result.output
     assert "kind: RayService" in result.output
+
+
+def routed_config(tmp_path, checkpoint: str):
+    path = tmp_path / "routed.yaml"
+    path.write_text(yaml.safe_dump({
+        "models": [{"name": "tiny", "source": "tiny-random-llama"}, {"name": "big", "source": "tiny-random-llama"}],
+        "model_routing": {"checkpoints": {"mlp": checkpoint}, "tiers": ["tiny", "big"],
+                          "routes": [{"name": "auto", "router": "mlp", "strong_fraction": 0.3}]}}))
+    return str(path)
+
+
+def test_deploy_warns_about_config_paths_no_pod_volume_holds_and_still_deploys(cluster, tmp_path):
+    store, _, kubeconfig = cluster
+    # A checkpoint relative to the config becomes this machine's path, which the pods do not have.
+    result = run("deploy", "-f", values_file(tmp_path, 2), "--config", routed_config(tmp_path, "routers/mlp"),
+                 "--name", "demo", "--namespace", "llm", "--kubeconfig", kubeconfig)
+    assert result.exit_code == 0, result.output
+    output = " ".join(result.output.split())
+    assert f"model_routing.checkpoints.mlp: {tmp_path / 'routers' / 'mlp'}." in output
+    assert "extraVolumes and extraVolumeMounts" in output
+    assert ("llm", "demo") in store
+
+
+def test_deploy_is_quiet_about_config_paths_a_mounted_volume_holds(cluster, tmp_path):
+    _, _, kubeconfig = cluster
+    values = tmp_path / "mounts.yaml"
+    values.write_text(yaml.safe_dump({
+        "extraVolumes": [{"name": "routers", "persistentVolumeClaim": {"claimName": "routers"}}],
+        "extraVolumeMounts": [{"name": "routers", "mountPath": "/models/routers"}]}))
+    result = run("deploy", "-f", values_file(tmp_path, 2), "-f", str(values),
+                 "--config", routed_config(tmp_path, "/models/routers/mlp"), "--kubeconfig", kubeconfig, "--dry-run")
+    assert result.exit_code == 0, result.output
+    assert "warning" not in result.output
+    assert "mountPath: /models/routers" in result.output

@@ -12,6 +12,7 @@ every error names the offending key path, e.g. ``models.0.engine_args.dtype``.
 * ``model``: ``ModelConfig``, one served model.
 * ``front_door``: listening address, limits, API keys and tenants.
 * ``platform``: ``PlatformConfig`` and ``parse_config`` / ``load_config`` / ``default_config``.
+* ``paths``: the files and folders a config names, which pods elsewhere must find at the same place.
 
 How Serve runs a config (deployment options) is the serving layer's: ``fleetserve.deployments.serve_options``.
 """

@@ -99,6 +99,9 @@ volumeMounts:
   - name: model-cache
     mountPath: /var/cache/fleetserve
   {{- end }}
+  {{- with .Values.extraVolumeMounts }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
 {{- end -}}
 
 {{- define "fleetserve.volumes" -}}
@@ -113,5 +116,8 @@ volumeMounts:
   {{- else }}
   hostPath: {path: {{ .Values.modelCache.hostPath | quote }}, type: DirectoryOrCreate}
   {{- end }}
+{{- end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}

@@ -1,0 +1,68 @@
+"""The filesystem paths a platform config names: what a pod elsewhere must find at the same place."""
+
+from __future__ import annotations
+
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+
+from fleetserve.platform.config.platform import PlatformConfig
+from fleetserve.platform.lora_store import RANDOM_LORA_PREFIX
+from fleetserve.platform.model_store import HUB_ID, PACKAGED_MODELS
+
+# What marks a chat template as inline Jinja rather than a file name.
+_JINJA_MARKERS = ("{{", "{%")
+
+
+@dataclass(frozen=True)
+class ConfigPath:
+    """One path a platform config names."""
+
+    # Where the config names it, e.g. ``model_routing.checkpoints.mlp``.
+    key: str
+    # The path as the config holds it (``load_config`` made relative ones absolute, here).
+    path: str
+
+
+def _is_model_path(source: str) -> bool:
+    if source in PACKAGED_MODELS:
+        return False
+    # "org/name" is a Hub id unless such a folder exists here, as the model store decides.
+    return not HUB_ID.match(source) or Path(source).expanduser().exists()
+
+
+def config_paths(config: PlatformConfig) -> list[ConfigPath]:
+    """Every file or folder the config names: model and adapter folders, router checkpoints, the recording
+    folder, the API keys file and chat template files; packaged ids, Hub ids and inline templates are not paths.
+    """
+    paths = []
+    for model in config.models:
+        if _is_model_path(model.source):
+            paths.append(ConfigPath(f"models[{model.name}].source", model.source))
+        template = model.api.chat_template
+        if template is not None and not any(marker in template for marker in _JINJA_MARKERS):
+            paths.append(ConfigPath(f"models[{model.name}].api.chat_template", template))
+        for adapter in model.lora.adapters if model.lora is not None else []:
+            if not adapter.source.startswith(RANDOM_LORA_PREFIX):
+                paths.append(ConfigPath(f"models[{model.name}].lora.adapters[{adapter.name}].source", adapter.source))
+    routing = config.model_routing
+    if routing is not None:
+        paths += [ConfigPath(f"model_routing.checkpoints.{kind}", folder)
+                  for kind, folder in routing.checkpoints.items()]
+        if routing.recording is not None:
+            paths.append(ConfigPath("model_routing.recording.directory", routing.recording.directory))
+    if config.auth is not None and config.auth.api_keys_file is not None:
+        paths.append(ConfigPath("auth.api_keys_file", config.auth.api_keys_file))
+    return paths
+
+
+def outside(paths: list[ConfigPath], mount_paths: list[str]) -> list[ConfigPath]:
+    """The paths under none of ``mount_paths`` (relative paths included: a pod's working directory is not the
+    config's folder)."""
+
+    def mounted(path: str) -> bool:
+        normal = posixpath.normpath(path)
+        return any(posixpath.commonpath([normal, posixpath.normpath(mount)]) == posixpath.normpath(mount)
+                   for mount in mount_paths if posixpath.isabs(normal))
+
+    return [item for item in paths if not mounted(item.path)]
