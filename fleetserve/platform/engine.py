@@ -28,15 +28,21 @@ class EngineRequestError(ValueError):
     """A request the engine refuses; carries the HTTP status and OpenAI error fields."""
 
     def __init__(self, message: str, status_code: int = 400, param: str | None = None,
-                 error_type: str = "invalid_request_error") -> None:
+                 error_type: str = "invalid_request_error", code: str | None = None,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.status_code = status_code
         self.param = param
         self.error_type = error_type
+        # OpenAI's error ``code`` (e.g. ``prefill_unavailable``); None: none.
+        self.code = code
+        # The Retry-After the response carries, for a refusal worth retrying; None: none.
+        self.retry_after_s = retry_after_s
 
     def __reduce__(self):  # survives pickling across Ray with its fields
-        return (EngineRequestError, (self.message, self.status_code, self.param, self.error_type))
+        return (EngineRequestError, (self.message, self.status_code, self.param, self.error_type, self.code,
+                                     self.retry_after_s))
 
 
 class EngineDeadError(RuntimeError):

@@ -250,6 +250,7 @@ async def test_failing_prefill_pool_is_a_clear_503(cluster):
     with pytest.raises(EngineRequestError) as raised:
         await run(decode, prompts(length_seed=19)[2], "doomed")
     assert raised.value.status_code == 503 and "prefill failed on 2 attempt(s)" in raised.value.message
+    assert (raised.value.code, raised.value.retry_after_s) == ("prefill_unavailable", 10)  # HEALTH_CHECK_PERIOD_S
     assert len(pool.avoided) == 2  # max_prefill_attempts
     stats = await wait_idle([decode])
     assert (stats[0].num_running, stats[0].kv_cache_usage) == (0, 0.0)
@@ -332,6 +333,7 @@ async def test_prefill_pool_without_replicas_refuses_at_once_when_configured(clu
     finally:
         decode.settings = pd_model().disaggregation
     assert raised.value.status_code == 503 and "no running replica" in raised.value.message
+    assert (raised.value.code, raised.value.retry_after_s) == ("prefill_unavailable", 10)  # HEALTH_CHECK_PERIOD_S
     assert pool.num_calls == 0
 
 

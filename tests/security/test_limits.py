@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 
 import httpx
 import pytest
@@ -11,7 +12,9 @@ import pytest
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.model_clients import LocalModelClient
 from fleetserve.deployments.ingress.server import OpenAIIngress
+from fleetserve.deployments.ingress.streaming import as_api_error
 from fleetserve.platform.config import LimitsConfig, ModelConfig
+from fleetserve.platform.engine import EngineRequestError
 
 
 def ingress(engine_cls, **limits) -> tuple[OpenAIIngress, EngineServer]:
@@ -313,3 +316,14 @@ async def test_event_stream_closes_its_iterator_when_the_client_goes(failure):
         assert closed == [("fleetserve", 0)]
     else:
         assert closed[0][0] == "fleetserve" and closed[0][1] < 1000 and closed[1] == ("starlette", 1000)
+
+
+def test_an_engine_refusal_keeps_its_code_and_retry_after_across_ray():
+    # As a decode replica refuses when its prefill pool has none running; Ray pickles it to the ingress.
+    refusal = EngineRequestError("the prefill pool has no running replica; retry after 10 s", 503,
+                                 error_type="service_unavailable", code="prefill_unavailable", retry_after_s=10)
+    error = as_api_error(pickle.loads(pickle.dumps(refusal)))
+    assert (error.status_code, error.headers) == (503, {"Retry-After": "10"})
+    assert error.body() == {"error": {"message": "the prefill pool has no running replica; retry after 10 s",
+                                      "type": "service_unavailable", "param": None, "code": "prefill_unavailable"}}
+    assert as_api_error(EngineRequestError("bad", param="n")).headers is None

@@ -32,7 +32,7 @@ from fleetserve.deployments.disaggregated.prefill_server import (
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.ingress.request_fields import read_fields
-from fleetserve.deployments.serve_options import data_path_handle_options
+from fleetserve.deployments.serve_options import HEALTH_CHECK_PERIOD_S, data_path_handle_options
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, ResponseHead, RoutingHints
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import Engine, EngineDeadError, EngineRequestError, dead_replica_id
@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 # Seconds a prefill pool's replica count is reused before Serve is asked again; also how often a decode
 # replica waiting on a prefill looks whether the pool is still there.
 POOL_CHECK_PERIOD_S = 2.0
+# The Retry-After of a 503 the prefill pool caused: Serve finds and replaces a failed prefill replica no
+# sooner than one health check (a pool starting from zero takes its cold start).
+PREFILL_RETRY_AFTER_S = HEALTH_CHECK_PERIOD_S
 
 
 class PrefillClient(Protocol):
@@ -133,7 +136,8 @@ class HandlePrefillClient:
 
 
 def _unavailable(message: str) -> EngineRequestError:
-    return EngineRequestError(message, status_code=503, error_type="service_unavailable")
+    return EngineRequestError(message, status_code=503, error_type="service_unavailable",
+                              code="prefill_unavailable", retry_after_s=PREFILL_RETRY_AFTER_S)
 
 
 class PrefillPoolEmpty(Exception):
@@ -190,7 +194,8 @@ class DecodeServer(EngineServer):
                     routing = dataclasses.replace(routing, avoid_replica_ids=routing.avoid_replica_ids | {dead})
             logger.warning("prefill attempt %d/%d for %s failed: %s", attempt,
                            self.settings.max_prefill_attempts, request.request_id, errors[-1])
-        raise _unavailable(f"prefill failed on {len(errors)} attempt(s); retry shortly. Last error: {errors[-1]}")
+        raise _unavailable(f"prefill failed on {len(errors)} attempt(s); retry after {PREFILL_RETRY_AFTER_S} s. "
+                          f"Last error: {errors[-1]}")
 
     async def _prefill_while_pool_runs(self, request: ApiRequest) -> PrefillResult:
         """One prefill call, bounded by prefill_timeout_s, abandoned once the pool has no running replica.
@@ -224,7 +229,7 @@ class DecodeServer(EngineServer):
             EngineRequestError: the pool has no running replica and the model refuses then (503).
         """
         if not running and self.settings.prefill_pool_empty == "refuse":
-            raise _unavailable("the prefill pool has no running replica; retry shortly")
+            raise _unavailable(f"the prefill pool has no running replica; retry after {PREFILL_RETRY_AFTER_S} s")
         if running == self._prefilling_locally:  # the pool's state changed
             logger.warning("the prefill pool runs again; prefilling there" if running else
                            "the prefill pool has no running replica; prefilling here until one runs")

@@ -41,7 +41,10 @@ def as_api_error(error: BaseException) -> APIError:
     if isinstance(error, EngineRequestError):
         cause = error
     if isinstance(cause, EngineRequestError):
-        return APIError(cause.message, cause.status_code, cause.error_type, cause.param)
+        api_error = APIError(cause.message, cause.status_code, cause.error_type, cause.param, cause.code)
+        if cause.retry_after_s is not None:
+            api_error.headers = {"Retry-After": str(cause.retry_after_s)}
+        return api_error
     if isinstance(cause, EngineDeadError):
         return engine_unavailable(str(cause))
     name = type(error).__name__
