@@ -24,7 +24,18 @@ _TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj
 
 
 class AdapterSourceError(ValueError):
-    """An adapter source that cannot be resolved; the message says what was expected."""
+    """An adapter source that cannot be resolved; the message says what was expected.
+
+    Args:
+        status_code: the HTTP status an API answers with: 400 for a malformed source, 404 for one not found.
+    """
+
+    def __init__(self, message: str, status_code: int) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+
+    def __reduce__(self):  # survives pickling with its status
+        return (AdapterSourceError, (str(self), self.status_code))
 
 
 def check_adapter_source(source: str) -> None:
@@ -36,10 +47,10 @@ def check_adapter_source(source: str) -> None:
     if source.startswith(RANDOM_LORA_PREFIX):
         if not source.removeprefix(RANDOM_LORA_PREFIX).isdigit():
             raise AdapterSourceError(f"adapter source {source!r}: expected {RANDOM_LORA_PREFIX}<seed>, "
-                                     f"a non-negative integer seed")
+                                     f"a non-negative integer seed", 400)
     elif not (Path(source).expanduser() / "adapter_config.json").exists():
         raise AdapterSourceError(f"adapter source {source!r} not found: expected a PEFT adapter folder "
-                                 f"(with adapter_config.json) or {RANDOM_LORA_PREFIX}<seed>")
+                                 f"(with adapter_config.json) or {RANDOM_LORA_PREFIX}<seed>", 404)
 
 
 def resolve_adapter_source(source: str, base_path: Path) -> Path:

@@ -47,7 +47,8 @@ class ReplicaAdapters:
             try:
                 path = resolve_adapter_source(source or "", self.base_path)
             except AdapterSourceError as error:
-                return 404, _error_body(str(error), 404, "NotFoundError")
+                kind = "NotFoundError" if error.status_code == 404 else "BadRequestError"
+                return error.status_code, _error_body(str(error), error.status_code, kind)
             result = await models.load_lora_adapter(
                 LoadLoRAAdapterRequest(lora_name=name, lora_path=str(path), load_inplace=load_inplace),
                 base_model_name=models.base_model_paths[0].name)

@@ -136,6 +136,8 @@ def test_adapter_loaded_at_run_time_serves_on_both_replicas_then_unloads(lora_ap
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     missing = change(lora_app.base_url, "load", {"lora_name": "tiny-x", "lora_path": "/no/such/adapter"})
     assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
+    malformed = change(lora_app.base_url, "load", {"lora_name": "tiny-x", "lora_path": "random-lora:abc"})
+    assert (malformed.status_code, malformed.json()["error"]["type"]) == (400, "BadRequestError")
     names = {card["id"] for card in httpx.get(f"{lora_app.api_url}/models", timeout=30).json()["data"]}
     assert names == {BASE, *CONFIGURED}
 
