@@ -31,6 +31,15 @@ class FakeTokenizer:
 VLLM_ENGINE_DEAD_EVENT = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root "
                                                "cause.", "type": "InternalServerError", "param": None, "code": 500}}
 
+# What vLLM's Anthropic Messages stream ends with when its engine dies: its converter fails to parse the chat
+# error event above (measured on vLLM 0.32, killing the engine core under a served /v1/messages stream).
+VLLM_MESSAGES_ENGINE_DEAD_EVENT = {"type": "error", "error": {
+    "type": "internal_error", "message": "2 validation errors for ChatCompletionStreamResponse\nmodel\n  Field required"}}
+
+
+class FakeEngineDeadError(RuntimeError):
+    """What vLLM's Responses stream raises mid-body when its engine dies (no error event; measured as above)."""
+
 
 def _error(message: str, param: str | None = None, status: int = 400) -> JSONResponse:
     # vLLM's error body shape.
@@ -46,6 +55,9 @@ class FakeEngine:
     max_model_len = 64
     # Set by a test: the engine core dies after this many tokens of a stream, which vLLM ends with its error.
     die_after_tokens: int | None = None
+    # With die_after_tokens: the app raises mid-stream, as vLLM's Responses stream does, instead of sending an
+    # error event.
+    die_by_raising = False
 
     def __init__(self) -> None:
         self.tokenizer = FakeTokenizer()
@@ -138,6 +150,8 @@ class FakeEngine:
                     async for text, finish in tokens:
                         if count == self.die_after_tokens:
                             self.errored = True
+                            if self.die_by_raising:
+                                raise FakeEngineDeadError("EngineCore encountered an issue")
                             yield f"data: {json.dumps(VLLM_ENGINE_DEAD_EVENT)}\n\n"
                             yield "data: [DONE]\n\n"
                             return
@@ -167,6 +181,36 @@ class FakeEngine:
         @app.post("/v1/completions")
         async def completions(raw: Request):
             return await generate(raw, chat=False)
+
+        @app.post("/v1/messages")
+        async def messages(raw: Request):
+            """Anthropic's Messages API, streamed only: one text block of max_tokens words."""
+            body = json.loads(await raw.body())
+            self.bodies.append(body)
+            tokens = self._tokens(raw.headers.get("x-request-id", uuid.uuid4().hex), len(self._prompt_ids(body)),
+                                  body["max_tokens"], [])
+
+            def event(kind: str, data: dict) -> str:
+                return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+            async def events():
+                yield event("message_start", {"message": {
+                    "id": "msg-1", "type": "message", "role": "assistant", "model": body["model"], "content": [],
+                    "usage": {"input_tokens": len(self._prompt_ids(body)), "output_tokens": 0}}})
+                yield event("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+                count = 0
+                async for text, _ in tokens:
+                    if count == self.die_after_tokens:
+                        self.errored = True
+                        yield f"event: error\ndata: {json.dumps(VLLM_MESSAGES_ENGINE_DEAD_EVENT)}\n\n"
+                        return
+                    count += 1
+                    yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
+                yield event("content_block_stop", {"index": 0})
+                yield event("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": count}})
+                yield event("message_stop", {})
+
+            return StreamingResponse(events(), media_type="text/event-stream")
 
         @app.post("/tokenize")
         async def tokenize(raw: Request):

@@ -30,7 +30,7 @@ from fleetserve.platform.engine import Engine, EngineDeadError
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics, StartupPhase
 from fleetserve.platform.model_store import resolve_source
-from fleetserve.platform.relay import ERROR_EVENT, relay, request_headers, with_engine_death_errors
+from fleetserve.platform.relay import is_error_event, relay, request_headers, with_engine_death_errors
 from fleetserve.platform.replica_adapters import ReplicaAdapters
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
 from fleetserve.platform.stall import StallWatch
@@ -129,7 +129,8 @@ class EngineServer:
         """The request run through vLLM's app, as chunks of its response.
 
         Raises:
-            EngineDeadError: before any chunk, when the engine has died (another replica can serve it).
+            EngineDeadError: before any chunk, when the engine has died (another replica can serve it); or
+                after some, when vLLM's app raised mid-response because the engine died under it.
         """
         if self.engine.errored:
             raise EngineDeadError(self.replica_id)
@@ -137,8 +138,13 @@ class EngineServer:
         events = call_app(app, request.endpoint.value, body, request_headers(request))
         head = ResponseHead(0, "", self.replica_id, started_at, prefill_replica_id)
         async with aclosing(relay(events, head, request.strip_usage)) as chunks:
-            async for chunk in chunks:
-                yield self._checked(request, chunk)
+            try:
+                async for chunk in chunks:
+                    yield self._checked(request, chunk)
+            except Exception:
+                if self.engine.errored:  # vLLM's own error says nothing a client can use
+                    raise EngineDeadError(self.replica_id) from None
+                raise
 
     def _checked(self, request: ApiRequest, chunk: ReplicaChunk) -> ReplicaChunk:
         """A chunk of vLLM's response as the client should get it.
@@ -148,10 +154,11 @@ class EngineServer:
                 request its engine, dead meanwhile, could not take.
         """
         if self.engine.errored:
-            if chunk.head is not None and (chunk.head.status_code >= 500 or chunk.data.startswith(ERROR_EVENT)):
+            if chunk.head is not None and (chunk.head.status_code >= 500 or is_error_event(chunk.data)):
                 raise EngineDeadError(self.replica_id)  # nothing was generated: another replica can take it
             # A stream the engine died during: say so, where vLLM points at a stack trace the client lacks.
-            chunk = dataclasses.replace(chunk, data=with_engine_death_errors(chunk.data, self.replica_id))
+            chunk = dataclasses.replace(chunk, data=with_engine_death_errors(chunk.data, self.replica_id,
+                                                                             request.endpoint))
         if chunk.head is None:
             return chunk
         if chunk.head.status_code == 404 and chunk.data.startswith(b'{"detail"'):

@@ -53,11 +53,15 @@ async def call_app(app: Any, path: str, body: bytes,
     slower than the app gets fewer, larger items; the first item is never held back.
 
     Raises:
-        Exception: whatever the app raised before it started its response.
+        Exception: whatever the app raised before its response was complete: before it started, or in the
+            middle of a streamed body (an engine dying under vLLM's Responses stream), where ending quietly
+            would pass a cut-off response for a whole one.
     """
     queue: asyncio.Queue = asyncio.Queue()
     disconnected = asyncio.Event()
     body_sent = False
+    # Whether the app sent its last body message (more_body false): the response is whole.
+    finished = False
 
     async def receive() -> dict[str, Any]:
         nonlocal body_sent
@@ -68,21 +72,18 @@ async def call_app(app: Any, path: str, body: bytes,
         return {"type": "http.disconnect"}
 
     async def send(message: dict[str, Any]) -> None:
-        nonlocal started
+        nonlocal finished
         if disconnected.is_set():
             raise OSError("the caller closed the stream")
-        started = started or message.get("type") == "http.response.start"
+        finished = finished or (message.get("type") == "http.response.body" and not message.get("more_body"))
         queue.put_nowait(message)
 
-    started = False
-
     async def run() -> None:
-        nonlocal started
         try:
             await app(_scope(path, body, headers), receive, send)
         except BaseException as error:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            # An app that raised after answering (Starlette sends its 500 first) has said what it had to.
-            if not started:
+            # An app that raised after answering in full (Starlette sends its 500 first) has said what it had to.
+            if not finished:
                 queue.put_nowait(error)
             raise
         finally:
@@ -97,15 +98,18 @@ async def call_app(app: Any, path: str, body: bytes,
         media_type = headers_out.get(b"content-type", b"application/json").decode("latin-1")
         yield AppStart(int(start["status"]), media_type)
         more = True
+        held = None  # a message taken while coalescing that is not body: the next one to handle
         while more:
-            message = await _next_message(queue)
+            message, held = held if held is not None else await queue.get(), None
+            if isinstance(message, BaseException):
+                raise message
             if message is _DONE:
-                return
+                raise RuntimeError("the app ended its response before its last body message")
             parts, more = _body_of(message)
             while more and not queue.empty():
                 message = queue.get_nowait()
                 if message is _DONE or isinstance(message, BaseException):
-                    queue.put_nowait(message)
+                    held = message
                     break
                 data, more = _body_of(message)
                 parts += data

@@ -327,3 +327,72 @@ def test_an_engine_refusal_keeps_its_code_and_retry_after_across_ray():
     assert error.body() == {"error": {"message": "the prefill pool has no running replica; retry after 10 s",
                                       "type": "service_unavailable", "param": None, "code": "prefill_unavailable"}}
     assert as_api_error(EngineRequestError("bad", param="n")).headers is None
+
+
+def anthropic_client(app):
+    import anthropic
+    import httpx2  # the Anthropic SDK's own fork of httpx
+
+    transport = httpx2.ASGITransport(app=app.build_app())
+    return anthropic.AsyncAnthropic(api_key="unused", base_url="http://test", max_retries=0,
+                                    http_client=httpx2.AsyncClient(transport=transport, base_url="http://test"))
+
+
+async def anthropic_stream(app) -> tuple[list[str], Exception | None]:
+    """The text an Anthropic SDK client streamed from /v1/messages, and the error its stream raised."""
+    texts: list[str] = []
+    try:
+        async with anthropic_client(app) as client:
+            async with client.messages.stream(model="fake", max_tokens=5,
+                                              messages=[{"role": "user", "content": "a"}]) as stream:
+                async for text in stream.text_stream:
+                    texts.append(text)
+    except Exception as error:  # noqa: BLE001
+        return texts, error
+    return texts, None
+
+
+async def test_an_anthropic_stream_whose_engine_dies_raises_engine_unavailable_in_anthropics_sdk(fake_engine_cls):
+    class DiesAfterTwo(fake_engine_cls):
+        die_after_tokens = 2
+        token_interval_s = 0.05
+
+    replicas = TwoReplicas(DiesAfterTwo)
+    texts, error = await anthropic_stream(OpenAIIngress({"fake": replicas}))
+    # vLLM's own event said "2 validation errors for ChatCompletionStreamResponse".
+    assert texts == ["w0", " w1"] and replicas.called_ids == ["r0"]
+    assert error.body == {"type": "error", "error": {
+        "type": "service_unavailable",
+        "message": "the model's engine died during the response (replica r0); retry the request"}}
+
+
+async def test_an_anthropic_stream_whose_replica_dies_raises_in_anthropics_sdk(fake_engine_cls):
+    app, client = flaky_ingress(fake_engine_cls, num_failures=1, after_chunks=2)
+    # Apart enough that message_start and content_block_start make the first replica chunk, w0 the second.
+    client.server.engine.first_token_s = client.server.engine.token_interval_s = 0.05
+    texts, error = await anthropic_stream(app)
+    # Before, the ingress ended it with OpenAI's error data, which Anthropic's SDKs skip (no `event:` line): the
+    # client saw a stream that just stopped, no error.
+    assert texts == ["w0"] and client.num_calls == 1 and app.in_flight == {"fake": 0}
+    assert error.body == {"type": "error", "error": {
+        "type": "service_unavailable", "message": "the model's engine is unavailable (ActorDiedError); retry after 10 s"}}
+
+
+async def test_a_stream_whose_engine_dies_by_raising_ends_with_engine_unavailable_not_quietly(fake_engine_cls):
+    class RaisesAfterTwo(fake_engine_cls):  # as vLLM's Responses stream does when its engine dies
+        die_after_tokens = 2
+        die_by_raising = True
+        token_interval_s = 0.05
+
+    replicas = TwoReplicas(RaisesAfterTwo)
+    app = OpenAIIngress({"fake": replicas})
+    async with http(app) as client:
+        response = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 5,
+                                                               "stream": True})
+    events = [event.removeprefix("data: ") for event in response.text.split("\n\n") if event]
+    # Before, the stream ended after " w1" as a whole one would, with neither error nor [DONE].
+    assert [json.loads(event)["choices"][0]["text"] for event in events[:2]] == ["w0", " w1"]
+    assert json.loads(events[2]) == {"error": {
+        "message": "the model's engine is unavailable (replica r0's engine has died; Serve is replacing the replica); "
+                   "retry after 10 s", "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}
+    assert events[3:] == ["[DONE]"] and app.in_flight == {"fake": 0}

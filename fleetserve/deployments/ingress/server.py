@@ -498,7 +498,8 @@ class OpenAIIngress:
         if head.started_at:
             self.platform_metrics.queue_time.labels(model).observe(max(0.0, head.started_at - received_at))
         if head.is_stream:
-            relayed = relay_stream(first, stream, lambda usage: self._account(model, usage, choice, tenant))
+            relayed = relay_stream(endpoint, first, stream,
+                                   lambda usage: self._account(model, usage, choice, tenant))
             return EventStreamResponse(relayed, status_code=head.status_code,
                                        media_type=head.media_type, headers=headers)
         parts = [first.data]

@@ -5,18 +5,17 @@ always end their engine request, and the relay of a replica's stream (accounting
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import anyio
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.serve_options import HEALTH_CHECK_PERIOD_S
-from fleetserve.platform.api_types import ReplicaChunk, TokenUsage
+from fleetserve.platform.api_types import Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.engine import EngineDeadError, EngineRequestError
+from fleetserve.platform.relay import stream_error
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +106,10 @@ class EventStreamResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def sse_event(payload: dict[str, Any]) -> bytes:
-    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n".encode()
-
-
-async def relay_stream(first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk],
+async def relay_stream(endpoint: Endpoint, first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk],
                        on_done: Callable[[TokenUsage | None], None]) -> AsyncIterator[bytes]:
-    """The stream's bytes as the replica wrote them; a failure mid-stream becomes an error event and
-    ``[DONE]`` (output cannot be unsent), and ``on_done`` gets the usage once the stream ends, however."""
+    """The stream's bytes as the replica wrote them; a failure mid-stream ends it with the endpoint's error
+    event (output cannot be unsent), and ``on_done`` gets the usage once the stream ends, however."""
     usage = first.usage
     try:
         if first.data:
@@ -126,8 +121,7 @@ async def relay_stream(first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk],
     except asyncio.CancelledError:
         raise
     except Exception as error:  # noqa: BLE001 - the client gets an error event, never silence
-        yield sse_event(as_api_error(error).body())
-        yield b"data: [DONE]\n\n"
+        yield stream_error(endpoint, as_api_error(error).body())
     finally:
         # A client that went away cancels this generator; closing the engine stream aborts the request.
         await stream.aclose()
