@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 
@@ -29,21 +30,27 @@ def test_a_stall_counts_from_the_later_of_the_last_step_and_the_last_idle_sight(
         watch.check(num_unfinished=3, last_step_at=1_040.0, now=1_101.0)
 
 
-async def test_replica_health_check_fails_once_its_engine_stalls(fake_engine_cls):
+async def test_replica_health_check_fails_once_its_engine_stalls(fake_engine_cls, monkeypatch):
+    from fleetserve.deployments import engine_server
     from fleetserve.deployments.engine_server import EngineServer
     from fleetserve.platform.api_types import ApiRequest, Endpoint
 
     class Hung(fake_engine_cls):
         first_token_s = 30.0  # the request never gets a step in this test
 
+    # The replica's clock, set by the test: a loaded machine's pauses must not read as a stall.
+    now = [1_000.0]
+    monkeypatch.setattr(engine_server, "time", SimpleNamespace(time=lambda: now[0]))
     server = EngineServer(ModelConfig(name="fake", source="unused", stall_timeout_s=0.2), engine_cls=Hung,
                           model_path="/unused")
-    await server.check_health()  # idle: healthy, and seen idle now
+    await server.check_health()  # idle: healthy, and seen idle at 1000
     stream = server.forward(ApiRequest("stuck", Endpoint.COMPLETIONS, b'{"model": "fake", "prompt": "a"}'))
     pending = asyncio.ensure_future(anext(stream))
-    await asyncio.sleep(0.05)
-    await server.check_health()  # busy for 0.05 s: not a stall yet
-    await asyncio.sleep(0.3)
+    while server.engine.num_unfinished_requests == 0:
+        await asyncio.sleep(0.01)
+    now[0] = 1_000.1
+    await server.check_health()  # busy since 1000 with no step: 0.1 s, within stall_timeout_s
+    now[0] = 1_000.3  # 0.3 s: longer than stall_timeout_s
     with pytest.raises(EngineStalledError):
         await server.check_health()
     pending.cancel()
