@@ -149,3 +149,31 @@ def test_tensor_parallel_replica_asks_for_a_gpu_per_rank():
     for binding in (["0-1|2-3"], ["0-3"]):
         parse_config({"models": [{"name": "m", "source": "x", "resources": {"cpu_binding": binding},
                                   "engine_args": {"tensor_parallel_size": 2}}]})
+
+
+def test_model_paths_beside_the_config_resolve_there_and_ids_stay_as_given(tmp_path, monkeypatch):
+    import yaml
+
+    configs = tmp_path / "configs"
+    for folder in ("models/ft-1", "adapters/a", "smollm2-135m-instruct"):
+        (configs / folder).mkdir(parents=True)
+    (configs / "chatml.jinja").write_text("{{ messages }}")
+    (configs / "platform.yaml").write_text(yaml.safe_dump({"models": [
+        {"name": "ft", "source": "models/ft-1", "api": {"chat_template": "chatml.jinja"},
+         "lora": {"adapters": [{"name": "a", "source": "adapters/a"}, {"name": "r", "source": "random-lora:1"}]}},
+        # A packaged id wins over a folder of its name, as in the model store; a Hub id with no such folder,
+        # inline Jinja and a path absent beside the config (from the working directory) stay as given.
+        {"name": "packaged", "source": "smollm2-135m-instruct", "api": {"chat_template": "{{ '/' * 300 }}"}},
+        {"name": "hub", "source": "HuggingFaceTB/SmolLM2-135M-Instruct", "api": {"chat_template": "x" * 300}},
+        {"name": "cwd", "source": "elsewhere/model"},
+    ]}))
+    monkeypatch.chdir(tmp_path)  # the working directory is not the config's folder
+    models = {model.name: model for model in load_config("configs/platform.yaml").models}
+    assert models["ft"].source == str(configs / "models" / "ft-1")
+    assert models["ft"].api.chat_template == str(configs / "chatml.jinja")
+    assert [adapter.source for adapter in models["ft"].lora.adapters] == [str(configs / "adapters" / "a"),
+                                                                          "random-lora:1"]
+    assert (models["packaged"].source, models["packaged"].api.chat_template) == ("smollm2-135m-instruct",
+                                                                                 "{{ '/' * 300 }}")
+    assert (models["hub"].source, models["hub"].api.chat_template) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "x" * 300)
+    assert models["cwd"].source == "elsewhere/model"

@@ -119,6 +119,30 @@ def parse_config(data: Any, origin: str = "<dict>") -> PlatformConfig:
     return parse_section(PlatformConfig, data, origin, "platform config", "a mapping with a 'models' list")
 
 
+def _beside(value: str, folder: Path) -> str:
+    """``value`` as a path in ``folder`` when one exists there; else as given (a Hub id, inline Jinja, or a
+    path from the working directory)."""
+    try:
+        candidate = folder / Path(value).expanduser()
+        if Path(value).expanduser().is_absolute() or not candidate.exists():
+            return value
+    except OSError:  # not a name the filesystem takes (inline Jinja longer than a file name, say)
+        return value
+    return str(candidate.resolve())
+
+
+def _resolve_model_paths(model: ModelConfig, folder: Path) -> None:
+    """Makes a model's source, adapter sources and chat template file relative to the config's folder."""
+    from fleetserve.platform.model_store import PACKAGED_MODELS
+
+    if model.source not in PACKAGED_MODELS:  # the model store takes a packaged id before any folder
+        model.source = _beside(model.source, folder)
+    if model.api.chat_template is not None:
+        model.api.chat_template = _beside(model.api.chat_template, folder)
+    for adapter in model.lora.adapters if model.lora is not None else []:
+        adapter.source = _beside(adapter.source, folder)
+
+
 def load_config(path: str | Path) -> PlatformConfig:
     """Reads and validates a platform config YAML file.
 
@@ -135,6 +159,8 @@ def load_config(path: str | Path) -> PlatformConfig:
     except yaml.YAMLError as error:
         raise ConfigError(f"platform config {path} is not valid YAML: {error}") from None
     config = parse_config(data, origin=str(path))
+    for model in config.models:
+        _resolve_model_paths(model, path.parent)
     if config.model_routing is not None:
         # Checkpoint paths are relative to the config file, wherever Serve replicas start.
         config.model_routing.checkpoints = {kind: str((path.parent / folder).resolve())
