@@ -19,10 +19,17 @@ class Endpoint(str, Enum):
     COMPLETIONS = "/v1/completions"
     RESPONSES = "/v1/responses"
     MESSAGES = "/v1/messages"
+    # Anthropic's messages.count_tokens.
+    COUNT_TOKENS = "/v1/messages/count_tokens"
     EMBEDDINGS = "/v1/embeddings"
     POOLING = "/pooling"
     TOKENIZE = "/tokenize"
     DETOKENIZE = "/detokenize"
+
+    @property
+    def is_anthropic(self) -> bool:
+        """Whether the path is Anthropic's API, whose errors take Anthropic's shape."""
+        return self in (Endpoint.MESSAGES, Endpoint.COUNT_TOKENS)
 
     @property
     def generates(self) -> bool:

@@ -23,6 +23,23 @@ def is_error_event(event: bytes) -> bool:
     return event.startswith((ERROR_EVENT, ANTHROPIC_ERROR_EVENT))
 
 
+def anthropic_error(error: dict) -> dict:
+    """OpenAI's error body in Anthropic's shape, as vLLM's Anthropic server writes its own errors (the type
+    passed on as it is)."""
+    detail = error["error"]
+    return {"type": "error", "error": {"type": detail["type"], "message": detail["message"]}}
+
+
+def in_anthropic_shape(body: bytes) -> bytes:
+    """An error body in OpenAI's shape (fleetserve's own refusals) in Anthropic's; any other body as it is."""
+    if not body.startswith(b'{"error"'):
+        return body
+    try:
+        return json.dumps(anthropic_error(json.loads(body))).encode()
+    except (ValueError, KeyError, TypeError):
+        return body
+
+
 def error_event(endpoint: Endpoint, error: dict) -> bytes:
     """One server-sent event (without its closing blank line) carrying ``error`` (OpenAI's error body).
 
@@ -31,10 +48,7 @@ def error_event(endpoint: Endpoint, error: dict) -> bytes:
     unannounced. Other streams get OpenAI's error data.
     """
     if endpoint is Endpoint.MESSAGES:
-        detail = error["error"]
-        data = json.dumps({"type": "error", "error": {"type": detail["type"], "message": detail["message"]}},
-                          separators=(",", ":"))
-        return f"event: error\ndata: {data}".encode()
+        return f"event: error\ndata: {json.dumps(anthropic_error(error), separators=(',', ':'))}".encode()
     return f"data: {json.dumps(error, separators=(',', ':'))}".encode()
 
 

@@ -26,6 +26,7 @@ REQUEST_TYPES: dict[Endpoint, tuple[str, str]] = {
     Endpoint.COMPLETIONS: ("vllm.entrypoints.openai.completion.protocol", "CompletionRequest"),
     Endpoint.RESPONSES: ("vllm.entrypoints.openai.responses.protocol", "ResponsesRequest"),
     Endpoint.MESSAGES: ("vllm.entrypoints.anthropic.protocol", "AnthropicMessagesRequest"),
+    Endpoint.COUNT_TOKENS: ("vllm.entrypoints.anthropic.protocol", "AnthropicCountTokensRequest"),
     Endpoint.EMBEDDINGS: ("vllm.entrypoints.pooling.embed.protocol", "EmbeddingRequest"),
     Endpoint.POOLING: ("vllm.entrypoints.pooling.pooling.protocol", "PoolingRequest"),
     Endpoint.TOKENIZE: ("vllm.entrypoints.serve.tokenize.protocol", "TokenizeRequest"),

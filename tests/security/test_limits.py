@@ -396,3 +396,22 @@ async def test_a_stream_whose_engine_dies_by_raising_ends_with_engine_unavailabl
         "message": "the model's engine is unavailable (replica r0's engine has died; Serve is replacing the replica); "
                    "retry after 10 s", "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}
     assert events[3:] == ["[DONE]"] and app.in_flight == {"fake": 0}
+
+
+async def test_errors_on_anthropics_paths_take_anthropics_shape_as_vllms_do(fake_engine_cls):
+    app, _ = ingress(fake_engine_cls, max_tokens=8)
+    chat = {"role": "user", "content": "a"}
+    async with http(app) as client:
+        unknown = await client.post("/v1/messages", json={"model": "nope", "max_tokens": 5, "messages": [chat]})
+        too_many = await client.post("/v1/messages", json={"model": "fake", "max_tokens": 9, "messages": [chat]})
+        unread = await client.post("/v1/messages/count_tokens", json={"model": "fake", "messages": [chat], "x": 1})
+        openai = await client.post("/v1/chat/completions", json={"model": "nope", "messages": [chat]})
+    # The ingress's own refusals (before: OpenAI's {"error": {...}} where vLLM answers {"type": "error", ...}).
+    assert (unknown.status_code, unknown.json()) == (404, {"type": "error", "error": {
+        "type": "not_found_error", "message": "The model `nope` does not exist. Available models: fake"}})
+    assert (too_many.status_code, too_many.json()["type"], too_many.json()["error"]["type"]) == (
+        400, "error", "invalid_request_error")
+    # A replica's refusal, relayed.
+    assert (unread.status_code, unread.json()["type"]) == (400, "error")
+    assert unread.json()["error"]["message"].startswith("Unsupported parameter(s): x.")
+    assert openai.json()["error"]["code"] == "model_not_found"  # OpenAI's paths keep OpenAI's shape

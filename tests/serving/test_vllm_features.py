@@ -134,6 +134,13 @@ def test_responses_and_anthropic_messages_are_served(served):
                                              "messages": [{"role": "user", "content": "Say hi"}]})
     assert messages.status_code == 200, messages.text
     assert messages.json()["type"] == "message" and messages.json()["content"][0]["type"] == "text"
+    # Anthropic's messages.count_tokens counts what the same messages cost as input (a 404 before).
+    counted = post(served, "/v1/messages/count_tokens", {"model": "smollm2", "system": "Be brief.",
+                                                         "messages": [{"role": "user", "content": "Say hi"}]})
+    created = post(served, "/v1/messages", {"model": "smollm2", "max_tokens": 1, "system": "Be brief.",
+                                            "messages": [{"role": "user", "content": "Say hi"}]})
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["input_tokens"] == created.json()["usage"]["input_tokens"] > 0
 
 
 def test_vllm_validation_errors_reach_the_client_as_vllm_returns_them(served):

@@ -54,7 +54,7 @@ class FrontDoorMiddleware:
         try:
             self._check(scope)
         except APIError as error:
-            await error_response(error)(scope, receive, counted_send)
+            await error_response(error, path=scope["path"])(scope, receive, counted_send)
             return
         await self.app(scope, receive, counted_send)
 

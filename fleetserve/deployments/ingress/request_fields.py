@@ -182,9 +182,10 @@ def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
     if not isinstance(model, str) or not model:
         raise APIError("`model` is required and must be a string", 400, param="model")
     messages = prompt = None
-    if endpoint in (Endpoint.CHAT, Endpoint.MESSAGES) or (endpoint is Endpoint.TOKENIZE and "messages" in payload):
+    if endpoint in (Endpoint.CHAT, Endpoint.MESSAGES, Endpoint.COUNT_TOKENS) or (endpoint is Endpoint.TOKENIZE
+                                                                              and "messages" in payload):
         messages = _messages(payload, "messages")
-        system = payload.get("system") if endpoint is Endpoint.MESSAGES else None
+        system = payload.get("system") if endpoint.is_anthropic else None
         if system is not None:
             messages.insert(0, {"role": "system", "content": _content_text(system, "system")})
     elif endpoint in (Endpoint.COMPLETIONS, Endpoint.TOKENIZE):

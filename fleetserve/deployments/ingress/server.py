@@ -68,6 +68,7 @@ from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.middleware import FrontDoorMiddleware
 from fleetserve.platform.engine import dead_replica_id
 from fleetserve.platform.metrics import merge_expositions
+from fleetserve.platform.relay import in_anthropic_shape
 from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, routing_text
 
 logger = logging.getLogger(__name__)
@@ -173,8 +174,8 @@ class OpenAIIngress:
         app = FastAPI(title="fleetserve", description="OpenAI-compatible routed endpoint")
 
         @app.exception_handler(APIError)
-        async def _api_error(_: Request, error: APIError) -> JSONResponse:
-            return error_response(error)
+        async def _api_error(request: Request, error: APIError) -> JSONResponse:
+            return error_response(error, path=request.url.path)
 
         @app.exception_handler(StarletteHTTPException)
         async def _http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
@@ -183,7 +184,7 @@ class OpenAIIngress:
             message = (f"Unknown path {request.method} {request.url.path}" if error.status_code == 404
                        else f"{request.method} is not allowed on {request.url.path}"
                        if error.status_code == 405 else str(error.detail))
-            return error_response(APIError(message, error.status_code, kind))
+            return error_response(APIError(message, error.status_code, kind), path=request.url.path)
 
         authenticate = self.front_door.authenticate if self.front_door is not None else None
         app.add_middleware(FrontDoorMiddleware, authenticate=authenticate, open_paths=OPEN_PATHS,
@@ -509,9 +510,12 @@ class OpenAIIngress:
                 parts.append(chunk.data)
                 usage = chunk.usage or usage
         except Exception as error:  # noqa: BLE001
-            return error_response(as_api_error(error), headers)
+            return error_response(as_api_error(error), headers, endpoint.value)
         self._account(model, usage, choice, tenant)
-        return Response(b"".join(parts), status_code=head.status_code, media_type=head.media_type, headers=headers)
+        body = b"".join(parts)
+        if head.status_code >= 400 and endpoint.is_anthropic:  # vLLM answers Anthropic's paths so
+            body = in_anthropic_shape(body)
+        return Response(body, status_code=head.status_code, media_type=head.media_type, headers=headers)
 
     def _account(self, model: str, usage: TokenUsage | None, choice: RouteChoice | None = None,
                  tenant: str | None = None) -> None:

@@ -15,7 +15,7 @@ from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.serve_options import HEALTH_CHECK_PERIOD_S
 from fleetserve.platform.api_types import Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.engine import EngineDeadError, EngineRequestError
-from fleetserve.platform.relay import stream_error
+from fleetserve.platform.relay import anthropic_error, stream_error
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +76,11 @@ async def until_final(first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk]) 
         raise cut_off_error()
 
 
-def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status_code, headers={**(error.headers or {}), **(headers or {})})
+def error_response(error: APIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    """The error as JSON: on Anthropic's paths in Anthropic's shape, as vLLM answers there; else OpenAI's."""
+    anthropic = path.endswith((Endpoint.MESSAGES.value, Endpoint.COUNT_TOKENS.value))
+    body = anthropic_error(error.body()) if anthropic else error.body()
+    return JSONResponse(body, status_code=error.status_code, headers={**(error.headers or {}), **(headers or {})})
 
 
 class EventStreamResponse(StreamingResponse):
