@@ -204,9 +204,17 @@ async def test_a_dead_engine_fails_the_request_over_to_another_replica(fake_engi
     assert 'fleetserve_engine_retries_total{model="fake"} 1.0' in app.platform_metrics.exposition().decode()
 
 
-async def test_an_engine_dying_mid_stream_ends_it_with_engine_unavailable_not_vllms_trace_pointer(fake_engine_cls):
+@pytest.mark.parametrize(("by_raising", "message"), [
+    # vLLM's chat and completions streams end with an InternalServerError event, "See stack trace (above)".
+    (False, "the model's engine died during the response (replica r0); retry the request"),
+    # vLLM's Responses stream raises mid-body: before, the stream ended as a whole one would, with no error.
+    (True, "the model's engine is unavailable (replica r0's engine has died; Serve is replacing the replica); "
+           "retry after 10 s"),
+], ids=["error-event", "raising"])
+async def test_an_engine_dying_mid_stream_ends_it_with_engine_unavailable(fake_engine_cls, by_raising, message):
     class DiesAfterTwo(fake_engine_cls):
         die_after_tokens = 2
+        die_by_raising = by_raising
         token_interval_s = 0.05  # one event per replica chunk
 
     replicas = TwoReplicas(DiesAfterTwo)
@@ -216,11 +224,10 @@ async def test_an_engine_dying_mid_stream_ends_it_with_engine_unavailable_not_vl
                                                                "stream": True})
     events = [event.removeprefix("data: ") for event in response.text.split("\n\n") if event]
     # Two tokens reached the client, so the stream cannot be sent again; it ends as a replica's death mid-stream
-    # does. Before, vLLM's InternalServerError "See stack trace (above)" reached the client.
+    # does.
     assert [json.loads(event)["choices"][0]["text"] for event in events[:2]] == ["w0", " w1"]
     assert json.loads(events[2]) == {"error": {
-        "message": "the model's engine died during the response (replica r0); retry the request",
-        "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}
+        "message": message, "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}
     assert events[3:] == ["[DONE]"] and replicas.called_ids == ["r0"] and app.in_flight == {"fake": 0}
 
 
@@ -376,26 +383,6 @@ async def test_an_anthropic_stream_whose_replica_dies_raises_in_anthropics_sdk(f
     assert texts == ["w0"] and client.num_calls == 1 and app.in_flight == {"fake": 0}
     assert error.body == {"type": "error", "error": {
         "type": "service_unavailable", "message": "the model's engine is unavailable (ActorDiedError); retry after 10 s"}}
-
-
-async def test_a_stream_whose_engine_dies_by_raising_ends_with_engine_unavailable_not_quietly(fake_engine_cls):
-    class RaisesAfterTwo(fake_engine_cls):  # as vLLM's Responses stream does when its engine dies
-        die_after_tokens = 2
-        die_by_raising = True
-        token_interval_s = 0.05
-
-    replicas = TwoReplicas(RaisesAfterTwo)
-    app = OpenAIIngress({"fake": replicas})
-    async with http(app) as client:
-        response = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 5,
-                                                               "stream": True})
-    events = [event.removeprefix("data: ") for event in response.text.split("\n\n") if event]
-    # Before, the stream ended after " w1" as a whole one would, with neither error nor [DONE].
-    assert [json.loads(event)["choices"][0]["text"] for event in events[:2]] == ["w0", " w1"]
-    assert json.loads(events[2]) == {"error": {
-        "message": "the model's engine is unavailable (replica r0's engine has died; Serve is replacing the replica); "
-                   "retry after 10 s", "type": "service_unavailable", "param": None, "code": "engine_unavailable"}}
-    assert events[3:] == ["[DONE]"] and app.in_flight == {"fake": 0}
 
 
 async def test_errors_on_anthropics_paths_take_anthropics_shape_as_vllms_do(fake_engine_cls):
