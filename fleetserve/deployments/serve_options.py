@@ -10,7 +10,7 @@ from typing import Any
 
 from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
 from fleetserve.platform.config import (AutoscalingConfig, LimitsConfig, ModelConfig, PDRatio, RoutingConfig,
-                                        ServerConfig)
+                                        ServerConfig, serve_safe)
 from fleetserve.platform.ports import bindable, free_port
 from fleetserve.router.replica.serve_adapter import FleetserveRequestRouter
 
@@ -40,7 +40,7 @@ HAPROXY_PORT_ENV = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_MET
 
 def deployment_name(model: ModelConfig) -> str:
     """The Serve deployment of a model's pool: ``engine-<name>`` answers the ingress (colocated or decode)."""
-    return f"prefill-{model.name}" if model.pool == "prefill" else f"engine-{model.name}"
+    return f"prefill-{serve_safe(model.name)}" if model.pool == "prefill" else f"engine-{serve_safe(model.name)}"
 
 
 def autoscaling_config(autoscaling: AutoscalingConfig, initial_replicas: int, model_name: str,

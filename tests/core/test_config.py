@@ -51,7 +51,12 @@ def test_deployment_options_come_from_config():
      "models.0.replicas: Input should be greater than or equal to 1 (got 0)"),
     ({"models": [{"source": "x"}]}, "models.0.name: required key is missing"),
     ({"models": []}, "models: List should have at least 1 item"),
-    ({"models": [{"name": "bad name", "source": "x"}]}, "models.0.name: Value error, expected 1-64 characters"),
+    ({"models": [{"name": "bad name", "source": "x"}]}, "models.0.name: Value error, expected 1-128 characters"),
+    ({"models": [{"name": "org//name", "source": "x"}]}, "models.0.name: Value error, expected 1-128 characters"),
+    ({"models": [{"name": "org/", "source": "x"}]}, "models.0.name: Value error, expected 1-128 characters"),
+    ({"models": [{"name": "a" * 129, "source": "x"}]}, "models.0.name: Value error, expected 1-128 characters"),
+    ({"models": [{"name": "org/m", "source": "x"}, {"name": "org--m", "source": "y"}]},
+     "models 'org/m' and 'org--m' would share Serve deployments"),
     ({"models": [{"name": "m", "source": "x"}, {"name": "m", "source": "y"}]}, "model name 'm' appears twice"),
     ([1, 2], "expected a mapping with a 'models' list"),
 ])
@@ -177,3 +182,14 @@ def test_model_paths_beside_the_config_resolve_there_and_ids_stay_as_given(tmp_p
                                                                                  "{{ '/' * 300 }}")
     assert (models["hub"].source, models["hub"].api.chat_template) == ("HuggingFaceTB/SmolLM2-135M-Instruct", "x" * 300)
     assert models["cwd"].source == "elsewhere/model"
+
+
+def test_hugging_face_ids_are_model_names_and_serve_deployments_spell_their_slash():
+    from fleetserve.deployments.serve_options import deployment_name
+
+    config = parse_config({"models": [{
+        "name": "Qwen/Qwen2.5-0.5B-Instruct", "source": "tiny-random-llama",
+        "lora": {"adapters": [{"name": "acme/sql-v2", "source": "random-lora:1"}]}}]})
+    model = config.models[0]
+    assert deployment_name(model) == "engine-Qwen--Qwen2.5-0.5B-Instruct"
+    assert config.adapter_bases() == {"acme/sql-v2": "Qwen/Qwen2.5-0.5B-Instruct"}

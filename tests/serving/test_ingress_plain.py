@@ -215,3 +215,16 @@ async def test_paced_instant_engine_waits_its_step_between_tokens(monkeypatch):
     # One step after each of the 3 tokens; the unpaced engine only yields (0 s).
     assert waits == [0.03, 0.03, 0.03]
     assert instant_engine.InstantEngine.step_s == 0.0
+
+
+async def test_a_hugging_face_id_is_served_by_its_name(fake_engine_cls):
+    name = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    server = EngineServer(ModelConfig(name=name, source="unused"), engine_cls=fake_engine_cls, model_path="/unused")
+    app = OpenAIIngress({name: LocalModelClient(server)}).build_app()
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as client:
+        listed = (await client.get("/v1/models")).json()["data"]
+        card = await client.get(f"/v1/models/{name}")
+        reply = await client.post("/v1/completions", json={"model": name, "prompt": "a", "max_tokens": 2})
+    assert [model["id"] for model in listed] == [name] and card.json()["id"] == name
+    assert (reply.status_code, reply.json()["choices"][0]["text"]) == (200, "w0 w1")
+    assert reply.headers["x-fleetserve-model"] == name

@@ -18,7 +18,7 @@ How Serve runs a config (deployment options) is the serving layer's: ``fleetserv
 """
 
 from fleetserve.platform.config.autoscaling import AutoscalingConfig, ReplicaProfile
-from fleetserve.platform.config.base import ConfigError, MiB, parse_section
+from fleetserve.platform.config.base import ConfigError, MiB, parse_section, serve_safe
 from fleetserve.platform.config.disaggregation import POOLS, DisaggregationConfig, PDRatio, PoolConfig
 from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, RAY_MIG_RESOURCE_PREFIX, ApiConfig, EngineArgs, Resources
 from fleetserve.platform.config.front_door import (APIKeyConfig, AuthConfig, CorsConfig, LimitsConfig, ServerConfig,
@@ -31,4 +31,4 @@ from fleetserve.platform.config.routing import ModelRoute, ModelRoutingConfig, R
 __all__ = ["APIKeyConfig", "ApiConfig", "AuthConfig", "AutoscalingConfig", "ConfigError", "DisaggregationConfig",
            "EngineArgs", "KV_LAYOUT_ARGS", "LimitsConfig", "LoraAdapter", "LoraConfig", "MiB", "ModelConfig", "ModelRoute", "ModelRoutingConfig", "RecordingConfig",
            "CorsConfig", "PDRatio", "POOLS", "PlatformConfig", "RAY_MIG_RESOURCE_PREFIX", "PoolConfig", "ReplicaProfile", "Resources", "RoutingConfig", "ServerConfig", "TenantConfig",
-           "default_config", "load_config", "parse_config", "parse_section"]
+           "default_config", "load_config", "parse_config", "parse_section", "serve_safe"]

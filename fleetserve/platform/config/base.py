@@ -7,19 +7,28 @@ from typing import Annotated, Any, ClassVar, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, field_validator
 
-# Model names become Serve deployment names and URL-visible ids.
-NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]{0,63}$")
+# Model names become Serve deployment names (``serve_safe``) and URL-visible ids. Parts joined by '/' take
+# Hugging Face's ids as they are (``Qwen/Qwen2.5-7B-Instruct``), so clients of `vllm serve` keep their names.
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*(/[A-Za-z0-9][A-Za-z0-9._\-]*)*$")
+MAX_NAME_CHARS = 128
 
 
 def check_name(name: str) -> str:
-    """A model or adapter name, as clients send it: 1-64 letters, digits, '.', '_' or '-'.
+    """A model or adapter name, as clients send it: 1-128 letters, digits, '.', '_' or '-', in parts joined by
+    '/' (a Hugging Face id), each starting alphanumeric.
 
     Raises:
         ValueError: any other name.
     """
-    if not NAME_PATTERN.match(name):
-        raise ValueError("expected 1-64 characters of letters, digits, '.', '_' or '-', starting alphanumeric")
+    if len(name) > MAX_NAME_CHARS or not NAME_PATTERN.match(name):
+        raise ValueError(f"expected 1-{MAX_NAME_CHARS} characters of letters, digits, '.', '_' or '-' (parts "
+                         f"joined by '/', as in org/name), each part starting alphanumeric")
     return name
+
+
+def serve_safe(name: str) -> str:
+    """``name`` as part of a Serve deployment name: '/' becomes '--', as Ray Serve LLM writes model ids."""
+    return name.replace("/", "--")
 
 
 # A model or adapter name field.

@@ -8,7 +8,7 @@ from typing import Any
 import yaml
 from pydantic import Field, model_validator
 
-from fleetserve.platform.config.base import ConfigError, Strict, parse_section
+from fleetserve.platform.config.base import ConfigError, Strict, parse_section, serve_safe
 from fleetserve.platform.config.front_door import AuthConfig, LimitsConfig, ServerConfig
 from fleetserve.platform.config.model import ModelConfig
 from fleetserve.platform.config.routing import ModelRoutingConfig
@@ -56,6 +56,12 @@ class PlatformConfig(Strict):
             if name in seen:
                 raise ValueError(f"model name {name!r} appears twice; model and adapter names must be unique")
             seen.add(name)
+        deployments: dict[str, str] = {}
+        for model in self.models:
+            other = deployments.setdefault(serve_safe(model.name), model.name)
+            if other != model.name:
+                raise ValueError(f"models {other!r} and {model.name!r} would share Serve deployments (a '/' is "
+                                 f"written '--' there); rename one")
         return self
 
     @model_validator(mode="after")
