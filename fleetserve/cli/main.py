@@ -324,10 +324,14 @@ def _warn_unmounted(paths) -> None:
 
 def _warn_unmounted_in_values(values: dict) -> None:
     try:
-        from fleetserve.ops.kube import render_rayservice, unmounted_paths
+        from fleetserve.ops.kube import DeployError, render_rayservice, unmounted_paths
     except ImportError:  # without the k8s extra there is no chart renderer; `fleetserve deploy` needs it anyway
         return
-    _warn_unmounted(unmounted_paths(render_rayservice(values, "fleetserve", "default")))
+    try:
+        _warn_unmounted(unmounted_paths(render_rayservice(values, "fleetserve", "default")))
+    except DeployError as error:
+        print_error(error)
+        raise typer.Exit(1) from None
 
 
 @app.command()

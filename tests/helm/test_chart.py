@@ -175,7 +175,8 @@ def test_serve_config_parses_as_a_serve_application_of_our_builder():
     from fleetserve.deployments.serve_options import deployment_options
     from fleetserve.platform.config import parse_config
 
-    platform = {"models": [{"name": "llama", "source": "/models/llama", "replicas": 2,
+    # A Hugging Face id as the name: the chart's schema takes what the platform config takes.
+    platform = {"models": [{"name": "meta-llama/Llama-3.1-8B", "source": "/models/llama", "replicas": 2,
                             "autoscaling": {"min_replicas": 1, "max_replicas": 4},
                             "resources": {"num_gpus": 1, "custom_resources": {"mig-3g.40gb": 1}}}]}
     service = find(render({"platform": platform}), "RayService")
@@ -184,6 +185,7 @@ def test_serve_config_parses_as_a_serve_application_of_our_builder():
     module, attribute = application.import_path.split(":")
     assert callable(getattr(importlib.import_module(module), attribute))
     config = parse_config(application.args["platform"])
+    assert deployment_options(config.models[0], config.server)["name"] == "engine-meta-llama--Llama-3.1-8B"
     assert deployment_options(config.models[0], config.server)["autoscaling_config"]["max_replicas"] == 4
     assert deployment_options(config.models[0], config.server)["ray_actor_options"]["resources"] == {"mig-3g.40gb": 1}
 
@@ -289,6 +291,7 @@ def test_every_pod_takes_serves_fast_path_as_the_platform_config_says(server):
     ({"workerGroups": {"g": {**MIG_GROUP, "numGpus": 9}}}, "/workerGroups/g/numGpus"),
     ({"replicaCount": 3}, "additional properties 'replicaCount' not allowed"),
     ({"platform": {"models": []}}, "/platform/models"),
+    ({"platform": {"models": [{"name": "org//llama", "source": "x"}]}}, "/platform/models/0/name"),
     ({"modelCache": {"hostPath": "cache"}}, "/modelCache/hostPath"),
     ({"extraVolumeMounts": [{"name": "routers", "mountPath": "models"}]}, "/extraVolumeMounts/0/mountPath"),
 ])
