@@ -42,3 +42,41 @@ def test_no_key_gives_no_session():
 ])
 def test_outputs_asked_for_count_n_and_each_prompt(endpoint, fields, num_sequences):
     assert read_fields(endpoint, {"model": "m", **fields}).num_sequences == num_sequences
+
+
+@pytest.mark.parametrize(("endpoint", "fields", "text"), [
+    # Anthropic: a tool result's text (a string or blocks), a tool call's input as JSON, reasoning; no image.
+    (Endpoint.MESSAGES, {"messages": [
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "T"},
+                                          {"type": "tool_use", "id": "t1", "name": "f", "input": {"q": 1}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "R1"},
+                                     {"type": "tool_result", "tool_use_id": "t1",
+                                      "content": [{"type": "text", "text": "R2"}]},
+                                     {"type": "image", "source": {"type": "base64", "data": "AAAA"}}]}]},
+     'T{"q": 1}R1R2'),
+    # OpenAI chat: an assistant's tool call arguments and the tool's answer.
+    (Endpoint.CHAT, {"messages": [
+        {"role": "assistant", "content": None,
+         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"q\":1}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "R"},
+        {"role": "user", "content": [{"type": "text", "text": "U"},
+                                     {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]},
+     '{"q":1}RU'),
+    # Responses: a function call's arguments and its output.
+    (Endpoint.RESPONSES, {"input": [{"type": "function_call", "call_id": "c1", "name": "f", "arguments": "A"},
+                                    {"type": "function_call_output", "call_id": "c1", "output": "O"},
+                                    {"role": "user", "content": [{"type": "input_text", "text": "U"}]}]},
+     "AOU"),
+])
+def test_prompt_text_counts_tool_calls_and_results(endpoint, fields, text):
+    # Before, only text parts counted: a tool result of any size passed max_prompt_chars and was charged nothing.
+    assert read_fields(endpoint, {"model": "m", **fields}).prompt_text == text
+
+
+@pytest.mark.parametrize("stream", ["yes", 1, "true"])
+def test_a_stream_flag_that_is_not_a_boolean_is_refused(stream):
+    from fleetserve.deployments.ingress.protocol import APIError
+
+    with pytest.raises(APIError, match="`stream` must be a boolean") as raised:
+        read_fields(Endpoint.CHAT, {"model": "m", "messages": MESSAGES, "stream": stream})
+    assert (raised.value.status_code, raised.value.param) == (400, "stream")

@@ -104,12 +104,33 @@ def parse_body(body: bytes) -> dict[str, Any]:
     return payload
 
 
+# Keys of a content part, input item or tool call whose values are prompt text: text parts, tool results
+# (Anthropic's content, Responses' output), tool calls (OpenAI's function and arguments, Anthropic's input) and
+# reasoning. Images and files are not characters, and are not counted.
+_TEXT_KEYS = ("text", "content", "output", "function", "arguments", "input", "thinking")
+
+
+def _part_text(part: Any) -> str:
+    """The prompt text in one content part, input item or tool call, at any depth."""
+    if isinstance(part, str):
+        return part
+    if isinstance(part, list):
+        return "".join(_part_text(item) for item in part)
+    if not isinstance(part, dict):
+        return ""
+    texts = []
+    for key in _TEXT_KEYS:
+        value = part.get(key)
+        # A tool call's input is arbitrary JSON, as the model sees it.
+        texts.append(json.dumps(value) if key == "input" and isinstance(value, dict) else _part_text(value))
+    return "".join(texts)
+
+
 def _content_text(content: Any, param: str) -> str:
     if content is None or isinstance(content, str):
         return content or ""
     if isinstance(content, list):
-        return "".join(part.get("text", "") if isinstance(part, dict) and isinstance(part.get("text"), str) else ""
-                       for part in content)
+        return _part_text(content)
     raise APIError(f"{param} must be a string or a list of content parts", 400, param=param)
 
 
@@ -122,7 +143,8 @@ def _messages(payload: dict[str, Any], key: str) -> list[dict[str, str]]:
         if not isinstance(message, dict):
             raise APIError(f"{key}.{index} must be an object", 400, param=f"{key}.{index}")
         role = message.get("role", message.get("type", ""))
-        rendered.append({"role": str(role), "content": _content_text(message.get("content"), f"{key}.{index}.content")})
+        text = _content_text(message.get("content"), f"{key}.{index}.content") + _part_text(message.get("tool_calls"))
+        rendered.append({"role": str(role), "content": text})
     return rendered
 
 
@@ -142,7 +164,7 @@ def _input_text(value: Any, param: str) -> str | list[int] | None:
             if isinstance(item, str):
                 texts.append(item)
             elif isinstance(item, dict):
-                texts.append(_content_text(item.get("content"), param))
+                texts.append(_part_text(item))
             elif isinstance(item, list):
                 texts.append(" " * 4 * len(item))
         return "".join(texts)
@@ -192,7 +214,11 @@ def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
         prompt = _input_text(payload.get("prompt"), "prompt")
     elif endpoint in (Endpoint.RESPONSES, Endpoint.EMBEDDINGS, Endpoint.POOLING):
         prompt = _input_text(payload.get("input"), "input")
-    stream = payload.get("stream") is True
+    stream = payload.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        # OpenAI refuses it; vLLM's pydantic would read "yes" or 1 as true, and the ingress as a whole response.
+        raise APIError("`stream` must be a boolean", 400, param="stream")
+    stream = stream is True
     if payload.get("stream_options") is not None and not stream:
         # OpenAI's rule: stream options only mean something on a stream.
         raise APIError("`stream_options` is only allowed when `stream` is true", 400, param="stream_options")
