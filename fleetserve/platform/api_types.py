@@ -127,10 +127,18 @@ class ReplicaChunk:
 
 
 def usage_from(payload: dict[str, Any]) -> TokenUsage | None:
-    """The usage of an OpenAI (or Anthropic) response body, if it has one."""
+    """The usage of an OpenAI, Responses or Anthropic response body (or stream event), if it has one.
+
+    Anthropic's ``input_tokens`` leaves out the prompt tokens read from or written to the cache, which it counts
+    apart; OpenAI's ``prompt_tokens`` and the Responses ``input_tokens`` count them. The prompt is all of them.
+    """
     usage = payload.get("usage")
     if not isinstance(usage, dict):
         return None
-    prompt = usage.get("prompt_tokens", usage.get("input_tokens", 0)) or 0
+    if usage.get("prompt_tokens") is not None:
+        prompt = usage["prompt_tokens"]
+    else:
+        prompt = sum(usage.get(key) or 0 for key in ("input_tokens", "cache_read_input_tokens",
+                                                      "cache_creation_input_tokens"))
     completion = usage.get("completion_tokens", usage.get("output_tokens", 0)) or 0
     return TokenUsage(int(prompt), int(completion))

@@ -65,6 +65,31 @@ def request_headers(request: ApiRequest) -> list[tuple[bytes, bytes]]:
     return [(b"x-request-id", request.request_id.encode())]
 
 
+def event_usage(data: bytes, usage: TokenUsage | None = None) -> TokenUsage | None:
+    """``usage`` (what a stream's earlier events said) with what the events in ``data`` say: Anthropic's
+    ``message_start`` (the prompt) and ``message_delta`` (the output so far), or a Responses
+    ``response.completed``. These streams carry usage in events of their own kinds, not OpenAI's usage chunk;
+    each count only grows, so the largest seen is the total."""
+    found = usage
+    for event in data.split(b"\n\n"):
+        start = event.find(b"data: ")
+        if start < 0 or b'"usage"' not in event:
+            continue
+        try:
+            payload = json.loads(event[start + len(b"data: "):])
+        except ValueError:
+            continue
+        if not isinstance(payload, dict):
+            continue
+        for holder in (payload, payload.get("response"), payload.get("message")):
+            said = usage_from(holder) if isinstance(holder, dict) else None
+            if said is not None:
+                found = said if found is None else TokenUsage(
+                    max(found.num_prompt_tokens, said.num_prompt_tokens),
+                    max(found.num_completion_tokens, said.num_completion_tokens))
+    return found
+
+
 def split_usage_event(data: bytes) -> tuple[bytes, TokenUsage | None]:
     """Finds a stream's usage event in ``data``; returns ``data`` without it and the usage it carried."""
     mark = data.find(_USAGE_MARK)
@@ -119,6 +144,8 @@ async def relay(events: AsyncIterator[AppStart | bytes], head: ResponseHead,
                 kept, found = split_usage_event(data)
                 usage = found or usage
                 data = kept if strip_usage and found is not None else data
+            elif b'"usage"' in data:
+                usage = event_usage(data, usage)
         else:
             body += data
         if first:

@@ -271,15 +271,19 @@ def test_each_tenants_tokens_are_counted_per_model_for_showback(endpoint):
         complete(endpoint, "alpha")
     for _ in client(endpoint, "alpha").completions.create(model="small", prompt="a b c", max_tokens=2, stream=True):
         pass
+    # Anthropic's stream carries its usage in message_start and message_delta (before, it counted nothing).
+    anthropic = httpx.post(f"{endpoint}/v1/messages", headers={"x-api-key": KEYS["beta"]}, json={
+        "model": "large", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "a b c"}]})
+    assert anthropic.status_code == 200 and "message_stop" in anthropic.text
     complete(endpoint, "beta", model="large")
     text = httpx.get(f"{endpoint}/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"}).text
     counted = {(sample.labels["tenant"], sample.labels["model"], sample.labels["kind"]): sample.value
                for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.name == "fleetserve_tenant_tokens_total"}
     # The fake engine counts "a b c" as 3 prompt tokens and makes the 2 asked for: alpha's 3 requests (the
-    # stream's usage included) are 9 and 6, beta's one 3 and 2.
+    # stream's usage included) are 9 and 6, beta's two 6 and 4.
     assert counted == {("alpha", "small", "prompt"): 9.0, ("alpha", "small", "completion"): 6.0,
-                       ("beta", "large", "prompt"): 3.0, ("beta", "large", "completion"): 2.0}
+                       ("beta", "large", "prompt"): 6.0, ("beta", "large", "completion"): 4.0}
 
 
 def test_each_tenants_cost_is_priced_at_the_models_prices(fake_engine_cls, loopback_server):
