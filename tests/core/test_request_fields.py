@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fleetserve.deployments.ingress.request_fields import read_fields
@@ -80,3 +82,10 @@ def test_a_stream_flag_that_is_not_a_boolean_is_refused(stream):
     with pytest.raises(APIError, match="`stream` must be a boolean") as raised:
         read_fields(Endpoint.CHAT, {"model": "m", "messages": MESSAGES, "stream": stream})
     assert (raised.value.status_code, raised.value.param) == (400, "stream")
+
+
+def test_tool_definitions_and_instructions_count_toward_the_prompt_but_are_not_routed_on():
+    tools = [{"type": "function", "name": "f", "parameters": {"type": "object"}}]
+    fields = read_fields(Endpoint.RESPONSES, {"model": "m", "input": "U", "instructions": "I", "tools": tools})
+    assert fields.prompt_text == "U" + json.dumps(tools) + "I"
+    assert fields.routing_hints(None).prefix_text == "U"

@@ -42,6 +42,9 @@ class RequestFields:
     # The outputs the request asks for, each with the whole budget: `n` of each prompt (a completions
     # prompt may be a list of prompts).
     num_sequences: int = 1
+    # Prompt text besides the messages or input: tool definitions (as JSON) and Responses instructions. It
+    # counts toward the prompt's size; routing reads only what the user wrote.
+    context_text: str = ""
 
     @property
     def num_messages(self) -> int:
@@ -49,12 +52,13 @@ class RequestFields:
 
     @cached_property
     def prompt_text(self) -> str:
-        """The prompt's text; token ids count as 4 characters each, like the token estimate."""
+        """The prompt's text, tool definitions included; token ids count as 4 characters each, like the token
+        estimate."""
         if self.messages is not None:
-            return "".join(message["content"] for message in self.messages)
+            return "".join(message["content"] for message in self.messages) + self.context_text
         if isinstance(self.prompt, list):
-            return " " * 4 * len(self.prompt)
-        return self.prompt or ""
+            return " " * 4 * len(self.prompt) + self.context_text
+        return (self.prompt or "") + self.context_text
 
     def routing_hints(self, session_id: str | None, adapter: str | None = None) -> RoutingHints:
         """What the replica router reads; ``adapter`` is the LoRA adapter the request names, if any."""
@@ -194,6 +198,14 @@ def _num_sequences(endpoint: Endpoint, payload: dict[str, Any]) -> int:
     return num_choices * (len(prompt) if batched else 1)
 
 
+def _context_text(endpoint: Endpoint, payload: dict[str, Any]) -> str:
+    """Tool definitions, as JSON, and a Responses request's instructions."""
+    tools = payload.get("tools")
+    text = json.dumps(tools) if isinstance(tools, list) and tools else ""
+    instructions = payload.get("instructions") if endpoint is Endpoint.RESPONSES else None
+    return text + (instructions if isinstance(instructions, str) else "")
+
+
 def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
     """The fields the ingress needs from a request to ``endpoint``.
 
@@ -223,4 +235,4 @@ def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
         # OpenAI's rule: stream options only mean something on a stream.
         raise APIError("`stream_options` is only allowed when `stream` is true", 400, param="stream_options")
     return RequestFields(model, payload, messages, prompt, _max_tokens(endpoint, payload), stream,
-                         _num_sequences(endpoint, payload))
+                         _num_sequences(endpoint, payload), _context_text(endpoint, payload))
