@@ -66,6 +66,14 @@ async def test_without_a_limit_the_charge_is_what_the_context_leaves(fake_engine
     assert tokens_left(app) == TOKENS_PER_MINUTE - 64
 
 
+async def test_a_request_that_generates_nothing_is_charged_its_prompt_alone(fake_engine_cls):
+    app, _ = ingress(fake_engine_cls, max_model_len=64, max_tokens=8)
+    async with http(app) as client:
+        assert (await client.post("/tokenize", json={"model": "fake", "prompt": "hello"})).status_code == 200
+    # ceil(5 characters / 4) = 2 prompt tokens; before, also the 8-token output budget it never uses.
+    assert tokens_left(app) == TOKENS_PER_MINUTE - 2
+
+
 async def test_each_of_n_outputs_is_charged_the_budget(fake_engine_cls):
     app, _ = ingress(fake_engine_cls)
     async with http(app) as client:

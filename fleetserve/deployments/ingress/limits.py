@@ -31,9 +31,12 @@ LOAD_REFRESH_S = 0.5
 
 
 def effective_max_tokens(fields: RequestFields, limits: LimitsConfig, max_model_len: int | None) -> int | None:
-    """The output budget a request really has: its own; else the platform's ``limits.max_tokens`` (which the
-    ingress then sets on the forwarded request, so the engine obeys it); else what the model's context
-    leaves after the prompt (~4 characters a token), which is what vLLM allows; None when unknown."""
+    """The output budget a request really has: none on an endpoint that generates nothing; its own; else the
+    platform's ``limits.max_tokens`` (which the ingress then sets on the forwarded request, so the engine obeys
+    it); else what the model's context leaves after the prompt (~4 characters a token), which is what vLLM
+    allows; None when unknown."""
+    if not fields.generates:
+        return 0
     if fields.max_tokens is not None:
         return fields.max_tokens
     if limits.max_tokens is not None:

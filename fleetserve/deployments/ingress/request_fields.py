@@ -45,6 +45,8 @@ class RequestFields:
     # Prompt text besides the messages or input: tool definitions (as JSON) and Responses instructions. It
     # counts toward the prompt's size; routing reads only what the user wrote.
     context_text: str = ""
+    # Whether the endpoint generates output (tokenize, count_tokens and embeddings make none).
+    generates: bool = True
 
     @property
     def num_messages(self) -> int:
@@ -235,4 +237,4 @@ def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
         # OpenAI's rule: stream options only mean something on a stream.
         raise APIError("`stream_options` is only allowed when `stream` is true", 400, param="stream_options")
     return RequestFields(model, payload, messages, prompt, _max_tokens(endpoint, payload), stream,
-                         _num_sequences(endpoint, payload), _context_text(endpoint, payload))
+                         _num_sequences(endpoint, payload), _context_text(endpoint, payload), endpoint.generates)
