@@ -89,3 +89,22 @@ def test_tool_definitions_and_instructions_count_toward_the_prompt_but_are_not_r
     fields = read_fields(Endpoint.RESPONSES, {"model": "m", "input": "U", "instructions": "I", "tools": tools})
     assert fields.prompt_text == "U" + json.dumps(tools) + "I"
     assert fields.routing_hints(None).prefix_text == "U"
+
+
+def test_a_body_nested_past_what_json_parses_is_a_400_not_a_500():
+    from fleetserve.deployments.ingress.protocol import APIError
+    from fleetserve.deployments.ingress.request_fields import parse_body
+
+    with pytest.raises(APIError, match="nests too deeply") as raised:
+        parse_body(b'{"model": "m", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}")
+    assert raised.value.status_code == 400
+
+
+def test_deeply_nested_content_is_read_to_a_bounded_depth():
+    # 500 levels of parts parse as JSON; the text under the 16th is not looked for (vLLM refuses such parts).
+    content: list = [{"type": "text", "text": "deep"}]
+    for _ in range(500):
+        content = [{"type": "text", "text": "x", "content": content}]
+    fields = read_fields(Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": content}]})
+    # The message's list is level 0; its parts' text is read at levels 1, 3, ..., 15: 8 of them.
+    assert fields.prompt_text == "x" * 8

@@ -105,6 +105,8 @@ def parse_body(body: bytes) -> dict[str, Any]:
         payload = json.loads(body, parse_constant=_reject)
     except (ValueError, UnicodeDecodeError) as error:
         raise APIError(f"request body is not valid JSON: {error}", 400) from None
+    except RecursionError:
+        raise APIError("request body nests too deeply to parse", 400) from None
     if not isinstance(payload, dict):
         raise APIError("request body must be a JSON object", 400)
     return payload
@@ -114,22 +116,37 @@ def parse_body(body: bytes) -> dict[str, Any]:
 # (Anthropic's content, Responses' output), tool calls (OpenAI's function and arguments, Anthropic's input) and
 # reasoning. Images and files are not characters, and are not counted.
 _TEXT_KEYS = ("text", "content", "output", "function", "arguments", "input", "thinking")
+# How deep text is looked for: no API nests its parts more than a few levels (vLLM refuses deeper ones), and
+# a hostile body must not exhaust the stack.
+MAX_PART_DEPTH = 16
 
 
-def _part_text(part: Any) -> str:
-    """The prompt text in one content part, input item or tool call, at any depth."""
+def _part_text(part: Any, depth: int = 0) -> str:
+    """The prompt text in one content part, input item or tool call, down to ``MAX_PART_DEPTH`` levels."""
     if isinstance(part, str):
         return part
+    if depth >= MAX_PART_DEPTH:
+        return ""
     if isinstance(part, list):
-        return "".join(_part_text(item) for item in part)
+        return "".join(_part_text(item, depth + 1) for item in part)
     if not isinstance(part, dict):
         return ""
     texts = []
     for key in _TEXT_KEYS:
         value = part.get(key)
-        # A tool call's input is arbitrary JSON, as the model sees it.
-        texts.append(json.dumps(value) if key == "input" and isinstance(value, dict) else _part_text(value))
+        # A tool call's input is arbitrary JSON, as the model sees it (json.dumps has its own depth check).
+        if key == "input" and isinstance(value, dict):
+            texts.append(_dumped(value))
+        else:
+            texts.append(_part_text(value, depth + 1))
     return "".join(texts)
+
+
+def _dumped(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except RecursionError:  # parsed from a body, so as deep as json.loads took: count it as nothing
+        return ""
 
 
 def _content_text(content: Any, param: str) -> str:
