@@ -23,6 +23,7 @@ from ray import serve
 from fleetserve.autoscaler.serve_adapter import autoscaling_metrics
 from fleetserve.deployments.allocator import tune_for_serving
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterSet
+from fleetserve.platform.api_errors import is_error_event, with_engine_death_errors
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead
 from fleetserve.platform.asgi_call import call_app
 from fleetserve.platform.config import ModelConfig
@@ -30,7 +31,7 @@ from fleetserve.platform.engine import Engine, EngineDeadError
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics, StartupPhase
 from fleetserve.platform.model_store import resolve_source
-from fleetserve.platform.relay import is_error_event, relay, request_headers, with_engine_death_errors
+from fleetserve.platform.relay import relay, request_headers
 from fleetserve.platform.replica_adapters import ReplicaAdapters
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
 from fleetserve.platform.stall import StallWatch

@@ -61,6 +61,7 @@ from fleetserve.deployments.ingress.fair_queue import priority
 from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_api_error, cut_off_error, error_response,
                                                       relay_stream, until_final)
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
+from fleetserve.platform.api_errors import in_anthropic_shape
 from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import (AuthConfig, CorsConfig, LimitsConfig, ModelConfig, ModelRoutingConfig,
                                         PlatformConfig)
@@ -68,7 +69,6 @@ from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.middleware import FrontDoorMiddleware
 from fleetserve.platform.engine import dead_replica_id
 from fleetserve.platform.metrics import merge_expositions
-from fleetserve.platform.relay import in_anthropic_shape
 from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, routing_text
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.deployments.serve_options import HEALTH_CHECK_PERIOD_S
 from fleetserve.platform.api_types import Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.engine import EngineDeadError, EngineRequestError
-from fleetserve.platform.relay import anthropic_error, stream_error
+from fleetserve.platform.api_errors import anthropic_error, stream_error
 
 logger = logging.getLogger(__name__)
 
