@@ -172,6 +172,11 @@ def apply(
     except (AppStartError, AdapterSyncError) as error:
         print_error(error)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:
+        # Serve has the new config once apply sent it: it goes on rolling out whether anyone waits or not.
+        console.print("stopped waiting. A change Serve had been sent goes on rolling out (Ctrl-C does not undo "
+                      "it): `fleetserve status` shows the replicas, and applying the previous config undoes it.")
+        raise typer.Exit(130) from None
     console.print(f"[bold green]applied[/] in {time.monotonic() - started:.0f} s: the platform serves "
                   f"{', '.join(model.name for model in config.models)}")
 
