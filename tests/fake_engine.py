@@ -34,7 +34,8 @@ VLLM_ENGINE_DEAD_EVENT = {"error": {"message": "EngineCore encountered an issue.
 # What vLLM's Anthropic Messages stream ends with when its engine dies: its converter fails to parse the chat
 # error event above (measured on vLLM 0.32, killing the engine core under a served /v1/messages stream).
 VLLM_MESSAGES_ENGINE_DEAD_EVENT = {"type": "error", "error": {
-    "type": "internal_error", "message": "2 validation errors for ChatCompletionStreamResponse\nmodel\n  Field required"}}
+    "type": "internal_error",
+    "message": "2 validation errors for ChatCompletionStreamResponse\nmodel\n  Field required"}}
 
 
 class FakeEngineDeadError(RuntimeError):
@@ -207,7 +208,8 @@ class FakeEngine:
                     count += 1
                     yield event("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": text}})
                 yield event("content_block_stop", {"index": 0})
-                yield event("message_delta", {"delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": count}})
+                yield event("message_delta", {"delta": {"stop_reason": "max_tokens"},
+                                              "usage": {"output_tokens": count}})
                 yield event("message_stop", {})
 
             return StreamingResponse(events(), media_type="text/event-stream")

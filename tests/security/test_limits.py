@@ -382,7 +382,8 @@ async def test_an_anthropic_stream_whose_replica_dies_raises_in_anthropics_sdk(f
     # client saw a stream that just stopped, no error.
     assert texts == ["w0"] and client.num_calls == 1 and app.in_flight == {"fake": 0}
     assert error.body == {"type": "error", "error": {
-        "type": "service_unavailable", "message": "the model's engine is unavailable (ActorDiedError); retry after 10 s"}}
+        "type": "service_unavailable",
+        "message": "the model's engine is unavailable (ActorDiedError); retry after 10 s"}}
 
 
 async def test_errors_on_anthropics_paths_take_anthropics_shape_as_vllms_do(fake_engine_cls):
