@@ -63,6 +63,19 @@ def kill(actor_name: str) -> None:
     ray.kill(ray.get_actor(actor_name, namespace="serve"), no_restart=True)
 
 
+def _engine_core(replica) -> int | None:
+    """The pid of the engine core a replica process started: the child vLLM titled ``VLLM::EngineCore``, else
+    its one multiprocessing-spawned child. Full-suite runs have found LoRA replicas whose serving engine core
+    kept the spawned interpreter's name and command line (no title), beside multiprocessing's resource tracker.
+    """
+    children = replica.children()
+    titled = [child.pid for child in children
+              if "EngineCor" in child.name() or "EngineCore" in " ".join(child.cmdline())]
+    spawned = [child.pid for child in children if "multiprocessing.spawn" in " ".join(child.cmdline())]
+    found = titled or spawned
+    return found[0] if len(found) == 1 else None
+
+
 def engine_core_pids(deployment: str, timeout_s: float = 120.0) -> dict[str, int]:
     """Replica id (as x-fleetserve-replica names it) -> the pid of the vLLM engine core process it started, for a
     deployment's live Serve replicas, found under each replica actor's own process (its pid from Ray's actor
@@ -77,11 +90,8 @@ def engine_core_pids(deployment: str, timeout_s: float = 120.0) -> dict[str, int
                       if actor["State"] == "ALIVE" and f"#{deployment}#" in (actor["Name"] or "")
                       and actor["Name"].startswith("SERVE_REPLICA")}
         try:
-            # By the kernel's process name as well as the command line: vLLM sets both, and a full-suite run
-            # once found a replica's engine core whose command line did not carry it.
-            cores = {replica_id: child.pid for replica_id, pid in actor_pids.items()
-                     for child in psutil.Process(pid).children(recursive=True)
-                     if "EngineCor" in child.name() or "EngineCore" in " ".join(child.cmdline())}
+            cores = {replica_id: core for replica_id, pid in actor_pids.items()
+                     if (core := _engine_core(psutil.Process(pid))) is not None}
         except psutil.NoSuchProcess:  # a replica that stopped since the actor table was read
             cores = {}
         if len(cores) == len(actor_pids) or time.monotonic() > deadline:
