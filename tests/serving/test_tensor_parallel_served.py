@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from cluster_helpers import engine_core_pids
 from conftest import SERVED_MODELS
 from factories import model_entry
 from fleetserve.platform.config import parse_config
@@ -53,11 +54,13 @@ def test_three_ranks_answer_as_one_rank_does(served, sharded):
 def test_each_rank_runs_pinned_to_its_own_core(sharded):
     import psutil
 
-    workers = [proc for proc in psutil.process_iter(["name"])
-               if (proc.info["name"] or "").startswith("VLLM::Worker_TP")]
-    # "0-1" split between 3 ranks: fewer cores than ranks, so they take turns, "0|1|0" (an engine of one rank runs
-    # it inside its engine-core process, so these are this replica's).
-    assert sorted(proc.cpu_affinity() for proc in workers) == [[0], [0], [1]]
+    [core] = engine_core_pids(f"engine-{MODEL}").values()
+    # The ranks are the engine core's spawned workers: by vLLM's title, or by the command line where a full-suite
+    # run found them untitled (and no process named VLLM::Worker_TP* at all).
+    workers = [child for child in psutil.Process(core).children()
+               if child.name().startswith("VLLM::Worker_TP") or "multiprocessing.spawn" in " ".join(child.cmdline())]
+    # "0-1" split between 3 ranks: fewer cores than ranks, so they take turns, "0|1|0".
+    assert sorted(worker.cpu_affinity() for worker in workers) == [[0], [0], [1]]
 
 
 def test_a_replica_that_cannot_start_says_why(served):
