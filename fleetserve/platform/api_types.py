@@ -26,6 +26,11 @@ class Endpoint(str, Enum):
     TOKENIZE = "/tokenize"
     DETOKENIZE = "/detokenize"
 
+    @classmethod
+    def of_path(cls, path: str) -> Endpoint | None:
+        """The endpoint a request path ends with, under any route prefix; None for other paths."""
+        return next((endpoint for endpoint in cls if path.endswith(endpoint.value)), None)
+
     @property
     def is_anthropic(self) -> bool:
         """Whether the path is Anthropic's API, whose errors take Anthropic's shape."""

@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from enum import Enum
 from pathlib import Path
 
 from rich.console import Console
@@ -91,6 +92,24 @@ _PACKAGED_GGUF: dict[str, Callable[[], Path]] = {
 }
 TINY_RANDOM_LLAMA = "tiny-random-llama"
 PACKAGED_MODELS = (TINY_RANDOM_LLAMA, *_PACKAGED_GGUF)
+
+
+class SourceKind(str, Enum):
+    """What a model source names, in the order the store tries them."""
+
+    PACKAGED = "packaged"
+    PATH = "path"
+    HUB = "hub"
+
+
+def source_kind(source: str) -> SourceKind:
+    """What ``source`` names: a packaged id first, then a path that exists, then a Hub id ("org/name");
+    anything else is a path, perhaps missing."""
+    if source in PACKAGED_MODELS:
+        return SourceKind.PACKAGED
+    if HUB_ID.match(source) and not Path(source).expanduser().exists():
+        return SourceKind.HUB
+    return SourceKind.PATH
 
 
 def file_sha256(path: Path) -> str:
@@ -282,10 +301,11 @@ def resolve_source(source: str, config_only: bool = False) -> Path:
     Raises:
         ModelSourceError: when the source is neither a packaged id nor a usable path.
     """
-    if source == TINY_RANDOM_LLAMA:
-        return tiny_random_llama()
-    if source in _PACKAGED_GGUF:
-        return convert_gguf(_PACKAGED_GGUF[source]())
+    kind = source_kind(source)
+    if kind is SourceKind.PACKAGED:
+        return tiny_random_llama() if source == TINY_RANDOM_LLAMA else convert_gguf(_PACKAGED_GGUF[source]())
+    if kind is SourceKind.HUB:
+        return hub_snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS)
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -295,8 +315,6 @@ def resolve_source(source: str, config_only: bool = False) -> Path:
         return convert_gguf(path)
     if path.exists():
         raise ModelSourceError(f"model source {path} is a file but not a .gguf; expected a folder or a .gguf file")
-    if HUB_ID.match(source):
-        return hub_snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS)
     raise ModelSourceError(
         f"model source {source!r} not found: expected a HF folder, a .gguf file, "
         f"or one of the packaged ids {', '.join(PACKAGED_MODELS)}"

@@ -10,7 +10,7 @@ import pytest
 
 from hub_server import hub_app
 from fleetserve.platform import model_store
-from fleetserve.platform.model_store import ModelSourceError, resolve_source
+from fleetserve.platform.model_store import ModelSourceError, SourceKind, resolve_source, source_kind
 
 
 @pytest.fixture
@@ -69,6 +69,16 @@ def test_hf_folder_is_used_in_place(tmp_path):
 def test_bad_sources_say_what_was_expected(tmp_path, make, message):
     with pytest.raises(ModelSourceError, match=message):
         resolve_source(str(make(tmp_path)))
+
+
+def test_source_kind_takes_packaged_ids_then_existing_paths_then_hub_ids(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "acme" / "local").mkdir(parents=True)
+    assert source_kind("smollm2-135m-instruct") is SourceKind.PACKAGED
+    assert source_kind("acme/local") is SourceKind.PATH       # a folder here wins over the Hub id it spells
+    assert source_kind("acme/remote") is SourceKind.HUB
+    assert source_kind("models/ft/v2") is SourceKind.PATH     # two slashes: not a Hub id
+    assert source_kind("missing") is SourceKind.PATH
 
 
 def test_a_hub_id_resolves_to_its_cached_snapshot_when_the_hub_is_unreachable(tmp_path, monkeypatch):

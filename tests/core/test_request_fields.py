@@ -108,3 +108,14 @@ def test_deeply_nested_content_is_read_to_a_bounded_depth():
     fields = read_fields(Endpoint.CHAT, {"model": "m", "messages": [{"role": "user", "content": content}]})
     # The message's list is level 0; its parts' text is read at levels 1, 3, ..., 15: 8 of them.
     assert fields.prompt_text == "x" * 8
+
+
+@pytest.mark.parametrize(("path", "endpoint"), [
+    ("/v1/messages", Endpoint.MESSAGES),
+    ("/team-a/v1/messages/count_tokens", Endpoint.COUNT_TOKENS),   # under a route prefix
+    ("/v1/chat/completions", Endpoint.CHAT),                       # not taken for /v1/completions
+    ("/v1/completions", Endpoint.COMPLETIONS),
+    ("/v1/models", None),
+])
+def test_endpoint_of_path_reads_the_path_under_any_prefix(path, endpoint):
+    assert Endpoint.of_path(path) is endpoint

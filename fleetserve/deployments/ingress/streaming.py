@@ -78,8 +78,8 @@ async def until_final(first: ReplicaChunk, stream: AsyncIterator[ReplicaChunk]) 
 
 def error_response(error: APIError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
     """The error as JSON: on Anthropic's paths in Anthropic's shape, as vLLM answers there; else OpenAI's."""
-    anthropic = path.endswith((Endpoint.MESSAGES.value, Endpoint.COUNT_TOKENS.value))
-    body = anthropic_error(error.body()) if anthropic else error.body()
+    endpoint = Endpoint.of_path(path)
+    body = anthropic_error(error.body()) if endpoint is not None and endpoint.is_anthropic else error.body()
     return JSONResponse(body, status_code=error.status_code, headers={**(error.headers or {}), **(headers or {})})
 
 

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from pathlib import Path
 
 from fleetserve.platform.config.platform import PlatformConfig
 from fleetserve.platform.lora_store import RANDOM_LORA_PREFIX
-from fleetserve.platform.model_store import HUB_ID, PACKAGED_MODELS
+from fleetserve.platform.model_store import SourceKind, source_kind
 
 # What marks a chat template as inline Jinja rather than a file name.
 _JINJA_MARKERS = ("{{", "{%")
@@ -24,20 +23,13 @@ class ConfigPath:
     path: str
 
 
-def _is_model_path(source: str) -> bool:
-    if source in PACKAGED_MODELS:
-        return False
-    # "org/name" is a Hub id unless such a folder exists here, as the model store decides.
-    return not HUB_ID.match(source) or Path(source).expanduser().exists()
-
-
 def config_paths(config: PlatformConfig) -> list[ConfigPath]:
     """Every file or folder the config names: model and adapter folders, router checkpoints, the recording
     folder, the API keys file and chat template files; packaged ids, Hub ids and inline templates are not paths.
     """
     paths = []
     for model in config.models:
-        if _is_model_path(model.source):
+        if source_kind(model.source) is SourceKind.PATH:
             paths.append(ConfigPath(f"models[{model.name}].source", model.source))
         template = model.api.chat_template
         if template is not None and not any(marker in template for marker in _JINJA_MARKERS):

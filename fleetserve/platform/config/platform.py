@@ -139,9 +139,9 @@ def _beside(value: str, folder: Path) -> str:
 
 def _resolve_model_paths(model: ModelConfig, folder: Path) -> None:
     """Makes a model's source, adapter sources and chat template file relative to the config's folder."""
-    from fleetserve.platform.model_store import PACKAGED_MODELS
+    from fleetserve.platform.model_store import SourceKind, source_kind
 
-    if model.source not in PACKAGED_MODELS:  # the model store takes a packaged id before any folder
+    if source_kind(model.source) is not SourceKind.PACKAGED:  # the store takes a packaged id before any folder
         model.source = _beside(model.source, folder)
     if model.api.chat_template is not None:
         model.api.chat_template = _beside(model.api.chat_template, folder)
