@@ -68,6 +68,8 @@ class FakeEngine:
         self.num_pending_prompt_tokens = 0
         # Every body the app received, parsed, in arrival order.
         self.bodies: list[dict] = []
+        # Each generating request's priority as vLLM reads it: its priority header, else the body's, else 0.
+        self.priorities: list[int] = []
         # Set by a test to play a dead engine core.
         self.errored = False
         self._app = self._build_app()
@@ -78,6 +80,11 @@ class FakeEngine:
 
     async def openai_app(self):
         return self._app
+
+    def _received(self, raw: Request, body: dict) -> None:
+        self.bodies.append(body)
+        header = raw.headers.get("x-vllm-priority")
+        self.priorities.append(int(header) if header is not None else body.get("priority", 0))
 
     def _prompt_ids(self, body: dict) -> list[int]:
         messages = body.get("messages")
@@ -121,7 +128,7 @@ class FakeEngine:
 
         async def generate(raw: Request, chat: bool):
             body = json.loads(await raw.body())
-            self.bodies.append(body)
+            self._received(raw, body)
             prompt = self._prompt_ids(body)
             if not prompt:
                 return _error("The decoder prompt cannot be empty", "prompt")
@@ -187,7 +194,7 @@ class FakeEngine:
         async def messages(raw: Request):
             """Anthropic's Messages API, streamed only: one text block of max_tokens words."""
             body = json.loads(await raw.body())
-            self.bodies.append(body)
+            self._received(raw, body)
             tokens = self._tokens(raw.headers.get("x-request-id", uuid.uuid4().hex), len(self._prompt_ids(body)),
                                   body["max_tokens"], [])
 

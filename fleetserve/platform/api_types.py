@@ -76,11 +76,14 @@ class ApiRequest:
     # The ingress asked for a stream's usage (for cost accounting) where the client did not: the replica
     # reads the usage event and drops it, so the client gets the stream it asked for.
     strip_usage: bool = False
+    # vLLM's scheduling priority (lower runs first), set by the platform on priority-scheduled engines and
+    # sent as vLLM's priority header, which every generating path reads (Anthropic's request has no such field).
+    priority: int | None = None
     # Read by the replica router before the call is sent; dropped when the request is pickled.
     routing: RoutingHints = field(default_factory=RoutingHints)
 
     def __reduce__(self):
-        return (ApiRequest, (self.request_id, self.endpoint, self.body, self.strip_usage))
+        return (ApiRequest, (self.request_id, self.endpoint, self.body, self.strip_usage, self.priority))
 
     def avoiding(self, replica_id: str) -> ApiRequest:
         """This request, to be routed to any replica but ``replica_id`` while another can take it."""

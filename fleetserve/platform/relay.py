@@ -12,12 +12,18 @@ from fleetserve.platform.asgi_call import AppStart
 
 # vLLM's usage event in a chat or completions stream: a chunk with no choices.
 _USAGE_MARK = b'"choices":[],'
+# vLLM's PRIORITY_HEADER (vllm.entrypoints.generate.base.serving): it overrides the body's priority on chat,
+# completions and Responses, and reaches the chat request vLLM converts an Anthropic request into.
+VLLM_PRIORITY_HEADER = b"x-vllm-priority"
 
 
 def request_headers(request: ApiRequest) -> list[tuple[bytes, bytes]]:
     """Headers the replica's vLLM app gets: the request id, from which vLLM names the response and the
-    engine request."""
-    return [(b"x-request-id", request.request_id.encode())]
+    engine request, and the request's priority where the platform set one."""
+    headers = [(b"x-request-id", request.request_id.encode())]
+    if request.priority is not None:
+        headers.append((VLLM_PRIORITY_HEADER, str(request.priority).encode()))
+    return headers
 
 
 def event_usage(data: bytes, usage: TokenUsage | None = None) -> TokenUsage | None:

@@ -194,6 +194,46 @@ async def test_anthropic_messages_and_responses_are_prefilled_remotely_with_the_
     assert after.num_computed_prompt_tokens - before.num_computed_prompt_tokens == 0 and moved > BLOCK
 
 
+def recorded_priorities(monkeypatch, server: EngineServer) -> list[int]:
+    """The priority of each request vLLM's app gives the server's engine, as the engine gets it."""
+    seen: list[int] = []
+    llm = server.engine._llm
+    generate = llm.generate
+
+    def recorded(*args, **kwargs):
+        seen.append(kwargs.get("priority", 0))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(llm, "generate", recorded)
+    return seen
+
+
+PRIORITY_REQUESTS = {
+    **API_REQUESTS,
+    Endpoint.CHAT: {"model": "smollm2", "max_tokens": MAX_TOKENS, "messages": [
+        {"role": "user", "content": f"Chat. {LONG_TEXT}"}]},
+    Endpoint.COMPLETIONS: {"model": "smollm2", "max_tokens": MAX_TOKENS, "prompt": f"Completions. {LONG_TEXT}"},
+}
+
+
+async def test_the_platforms_priority_reaches_both_engines_on_every_generating_path(cluster, monkeypatch):
+    decode = cluster.decode[0]
+    decode.prefill_client = LocalPrefillClient(cluster.prefill, order=[1])
+    decode.settings = pd_model(min_prompt_tokens=BLOCK).disaggregation
+    decode_seen, prefill_seen = recorded_priorities(monkeypatch, decode), recorded_priorities(monkeypatch,
+                                                                                               cluster.prefill[1])
+    try:
+        for index, (endpoint, body) in enumerate(PRIORITY_REQUESTS.items()):
+            request = ApiRequest(f"priority-{endpoint.name}", endpoint, json.dumps(body).encode(), priority=7 + index)
+            status, answer, prefill_id = await respond(decode, request)
+            assert (status, prefill_id) == (200, "p1"), answer
+    finally:
+        decode.settings = pd_model().disaggregation
+    # Messages, Responses, chat, completions in that order, each prefilled on p1 and decoded here: vLLM reads
+    # its priority header on each (Anthropic's through the chat request it converts the message into).
+    assert decode_seen == prefill_seen == [7, 8, 9, 10]
+
+
 async def test_background_response_without_vllms_store_is_refused_before_any_prefill(cluster):
     decode = cluster.decode[0]
     decode.prefill_client = LocalPrefillClient(cluster.prefill, order=[0])

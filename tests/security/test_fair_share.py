@@ -81,8 +81,9 @@ async def test_batch_work_leaves_the_upper_half_of_the_queue_to_interactive_work
     # then its share.
     assert sorted(statuses["heavy"]) == [200] * 5 + [503] * 15
     assert sorted(statuses["light"]) == [200] * 2 + [503] * 3
-    # The engine does not schedule by priority: no priority is forwarded (vLLM would refuse one).
+    # The engine does not schedule by priority: no priority is forwarded, in the body or the header.
     assert all("priority" not in body for body in server.engine.bodies)
+    assert server.engine.priorities == [0] * 7  # the 5 + 2 admitted
 
 
 async def test_on_a_priority_scheduled_engine_the_platform_sets_each_requests_priority(fake_engine_cls):
@@ -95,7 +96,24 @@ async def test_on_a_priority_scheduled_engine_the_platform_sets_each_requests_pr
             assert reply.status_code == 200
     # batch runs after every interactive request: vLLM's priority BATCH_PRIORITY + 0 and 0 (lower first); each
     # tenant's first request is tagged at the virtual time, 0.
-    assert [body["priority"] for body in server.engine.bodies] == [BATCH_PRIORITY, 0]
+    assert server.engine.priorities == [BATCH_PRIORITY, 0]
+    # Sent in vLLM's priority header, which overrides the body's: the caller's body goes as sent.
+    assert [body["priority"] for body in server.engine.bodies] == [-5, -5]
+
+
+async def test_anthropic_messages_take_the_platforms_priority_whatever_the_caller_sends(fake_engine_cls):
+    app, server = classed_ingress(fake_engine_cls, scheduling_policy="priority")
+    body = {"model": "fake", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": "x"}]}
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app.build_app()), base_url="http://test",
+                                 timeout=30) as http:
+        for tenant in ("heavy", "light"):
+            # vLLM's own header, sent by the caller to jump the queue: the ingress does not pass it on.
+            reply = await http.post("/v1/messages", json=body, headers={"x-api-key": KEYS[tenant],
+                                                                         "x-vllm-priority": "-100"})
+            assert reply.status_code == 200 and "event: message_stop" in reply.text
+    # Anthropic's request has no priority field; the header reaches the chat request vLLM converts it into.
+    # heavy is batch: BATCH_PRIORITY + its tag 0; light's first request is tagged 0.
+    assert server.engine.priorities == [BATCH_PRIORITY, 0]
 
 
 async def test_on_a_priority_scheduled_engine_a_light_tenant_goes_before_a_floods_backlog(fake_engine_cls):
@@ -109,7 +127,7 @@ async def test_on_a_priority_scheduled_engine_a_light_tenant_goes_before_a_flood
     # Start tags (none started yet, so the virtual time stays 0): each request starts where its tenant's last
     # ended, a request costing 1 / share. heavy: 0, 4/3, 8/3, 4, 16/3; light: 0, 4. In priority steps of 1/1000:
     # light's first runs before heavy's 2nd-5th though it came after them, and its second ties heavy's 4th.
-    assert [body["priority"] for body in server.engine.bodies] == [0, 1333, 2667, 4000, 5333, 0, 4000]
+    assert server.engine.priorities == [0, 1333, 2667, 4000, 5333, 0, 4000]
 
 
 def test_a_floods_tags_keep_their_order_as_its_requests_start():
@@ -134,9 +152,9 @@ async def test_refused_requests_take_no_place_in_the_fair_queue(fake_engine_cls)
     # As in test_weights_split_the_queue: heavy gets 6 places, light 2.
     assert sorted(statuses["heavy"]) == [200] * 6 + [503] * 14
     # Only admitted requests are tagged: heavy's 6 at 0, 4/3, ..., 20/3 (priorities 0-6667), light's 2 at 0, 4.
-    assert [body["priority"] for body in server.engine.bodies] == [0, 1333, 2667, 4000, 5333, 6667, 0, 4000]
+    assert server.engine.priorities == [0, 1333, 2667, 4000, 5333, 6667, 0, 4000]
     statuses = await flood(app, ["heavy"])
     # All started, so the virtual time is the largest tag, 20/3; heavy's next starts where its 6th ended,
     # 6 x 4/3 = 8 (its 14 refusals would have put it at 26 2/3).
     assert statuses["heavy"] == [200]
-    assert server.engine.bodies[-1]["priority"] == 8000
+    assert server.engine.priorities[-1] == 8000

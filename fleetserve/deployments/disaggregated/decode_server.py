@@ -180,7 +180,7 @@ class DecodeServer(EngineServer):
         for attempt in range(1, self.settings.max_prefill_attempts + 1):
             # Each attempt is a new engine request: a half-finished one may still be running elsewhere.
             attempt_request = ApiRequest(f"{request.request_id}-p{attempt}", request.endpoint, body,
-                                         routing=routing)
+                                         priority=request.priority, routing=routing)
             try:
                 return await self._prefill_while_pool_runs(attempt_request)
             except PrefillPoolEmpty:

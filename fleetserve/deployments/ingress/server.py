@@ -74,8 +74,6 @@ from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, 
 logger = logging.getLogger(__name__)
 
 
-# The endpoints whose vLLM request takes a priority.
-PRIORITY_ENDPOINTS = (Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES)
 # Every path the ingress forwards; requests on them are counted in fleetserve_requests_total.
 FORWARDED_ROUTES = tuple(endpoint.value for endpoint in Endpoint)
 # The admin API's paths for LoRA adapters (vLLM's), and the header saying how many replicas serve a change.
@@ -408,14 +406,13 @@ class OpenAIIngress:
     def _priority(self, model: str, tenant: TenantClass | None) -> int | None:
         """vLLM's request priority (lower runs first) on a model whose engines schedule by priority: the
         request's fair-queuing start tag (``FairQueue``), batch after all interactive work; None elsewhere
-        (vLLM refuses priorities there)."""
+        (vLLM's API documents a priority other than 0 there as an error)."""
         config = self._config(model)
         if tenant is None or config is None or config.engine_args.extra.get("scheduling_policy") != "priority":
             return None
         return priority(tenant.tag, tenant.batch)
 
-    def _forwarded_body(self, endpoint: Endpoint, fields: RequestFields, model: str, body: bytes,
-                        priority: int | None = None) -> tuple[bytes, bool]:
+    def _forwarded_body(self, endpoint: Endpoint, fields: RequestFields, model: str, body: bytes) -> tuple[bytes, bool]:
         """The body to forward, and whether the replica should drop a usage event the ingress asked for.
 
         The body goes as the client sent it, except that a routed name becomes the chosen model, a request
@@ -426,10 +423,6 @@ class OpenAIIngress:
         payload = fields.payload
         changed = model != fields.model
         strip_usage = False
-        if priority is not None and endpoint in PRIORITY_ENDPOINTS:
-            # The platform, not the caller, decides who is scheduled first.
-            payload = {**payload, "priority": priority}
-            changed = True
         if fields.max_tokens is None and self.limits.max_tokens is not None and endpoint in MAX_TOKENS_FIELDS:
             payload = {**payload, MAX_TOKENS_FIELDS[endpoint][0]: self.limits.max_tokens}
             changed = True
@@ -474,9 +467,10 @@ class OpenAIIngress:
             self.work.admit(base, claim)
             if claim is not None:  # tagged once admitted: a refused request costs its tenant no place
                 claim = replace(claim, tag=self.work.fair.tag(base, claim.tenant, claim.share))
-        forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body, self._priority(model, claim))
+        forwarded, strip_usage = self._forwarded_body(endpoint, fields, model, body)
         hints = fields.routing_hints(session_id, adapter=model if base != model else None)
-        request = ApiRequest(request_id, endpoint, forwarded, strip_usage, hints)
+        # The platform, not the caller, decides who is scheduled first: vLLM's header overrides the body's.
+        request = ApiRequest(request_id, endpoint, forwarded, strip_usage, self._priority(model, claim), hints)
         stream, first = await self._start(base, client, request, claim)
         stream = until_final(first, stream)
         head = first.head
