@@ -15,6 +15,8 @@ from typing import Any
 
 # Marks the end of the app's messages on the queue.
 _DONE = object()
+# How long an app whose caller left may take to stop the work it started before its task is cancelled.
+DISCONNECT_GRACE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,10 @@ async def call_app(app: Any, path: str, body: bytes,
     finally:
         disconnected.set()
         if not task.done():
+            # vLLM's routes run their work in a task of their own, stopped when receive() says the client left
+            # (with_cancellation); cancelling the route first would orphan that work, which would then run on
+            # in the engine to max_tokens. So the app hears of the disconnect first.
+            await asyncio.wait({task}, timeout=DISCONNECT_GRACE_S)
             task.cancel()
         with contextlib.suppress(BaseException):
             await task

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from fastapi import FastAPI, Request
 
 from fleetserve.platform.asgi_call import AppStart, call_app
 
@@ -69,3 +70,36 @@ def test_an_app_raising_before_it_answers_raises():
 
     items, error = asyncio.run(collect(app))
     assert items == [] and str(error) == "no route"
+
+
+def test_a_caller_leaving_before_the_answer_stops_work_an_app_handler_started():
+    # vLLM's routes run their work in a task of their own (with_cancellation), stopped when the request's
+    # receive() says the client left; cancelling the route first would leave that work running in the engine
+    # to max_tokens, as a non-streamed request's did when its caller timed out.
+    from vllm.entrypoints.serve.utils.api_utils import with_cancellation
+
+    app = FastAPI()
+    work: list[str] = []
+
+    @app.post("/v1/x")
+    @with_cancellation
+    async def answer(raw_request: Request):
+        work.append("started")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            work.append("cancelled")
+            raise
+        return {"done": True}
+
+    async def leave_early() -> None:
+        consumer = asyncio.ensure_future(anext(call_app(app, "/v1/x", b"{}")))
+        while not work:
+            await asyncio.sleep(0.01)
+        consumer.cancel()  # as Serve cancels a replica's call whose caller left
+        with pytest.raises(asyncio.CancelledError):
+            await consumer
+        # Stopped by the time the call has ended, not left to the event loop's shutdown.
+        assert work == ["started", "cancelled"]
+
+    asyncio.run(asyncio.wait_for(leave_early(), 10))
