@@ -10,6 +10,7 @@ import uuid
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from fleetserve.platform.progress import note_request
 from fleetserve.platform.stats import EngineStats
 
 
@@ -64,6 +65,8 @@ class FakeEngine:
         self.tokenizer = FakeTokenizer()
         self.aborted: list[str] = []
         self.running: set[str] = set()
+        # Tokens generated so far by each running request.
+        self.generated: dict[str, int] = {}
         self.num_finished = 0
         self.num_pending_prompt_tokens = 0
         # Every body the app received, parsed, in arrival order.
@@ -98,6 +101,7 @@ class FakeEngine:
     async def _tokens(self, request_id: str, num_prompt: int, max_tokens: int, stop: list[str]):
         """Yields (text, finish_reason) per token; aborts count when the consumer leaves early."""
         self.running.add(request_id)
+        note_request(request_id)
         self.num_pending_prompt_tokens += num_prompt
         pending = num_prompt
         finished = False
@@ -115,10 +119,12 @@ class FakeEngine:
                     return
                 last = index == max_tokens - 1
                 finished = last
+                self.generated[request_id] = index + 1
                 yield (f" {word}" if index else word), ("length" if last else None)
         finally:
             self.num_pending_prompt_tokens -= pending
             self.running.discard(request_id)
+            self.generated.pop(request_id, None)
             self.num_finished += 1
             if not finished:
                 self.aborted.append(request_id)
@@ -234,6 +240,9 @@ class FakeEngine:
     @property
     def num_unfinished_requests(self) -> int:
         return len(self.running)
+
+    def num_generated_tokens(self, request_ids) -> int:
+        return sum(self.generated.get(request_id, 0) for request_id in request_ids)
 
     async def check_health(self) -> None:
         pass

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from fleetserve.platform.engine import Engine, EngineDeadError
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics, StartupPhase
 from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.progress import CALL_PROGRESS, CallProgress
 from fleetserve.platform.relay import relay, request_headers
 from fleetserve.platform.replica_adapters import ReplicaAdapters
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
@@ -122,7 +124,7 @@ class EngineServer:
         refusal = self._refusal(request, started_at)
         if refusal is not None:
             return refusal.head, refusal.data
-        chunks = [chunk async for chunk in self._run(request, request.body, started_at)]
+        chunks = [chunk async for chunk in self._run(request, request.body, started_at) if not chunk.heartbeat]
         return chunks[0].head, b"".join(chunk.data for chunk in chunks)
 
     async def _run(self, request: ApiRequest, body: bytes, started_at: float,
@@ -136,9 +138,12 @@ class EngineServer:
         if self.engine.errored:
             raise EngineDeadError(self.replica_id)
         app = await self._serving_app()
+        call = CallProgress()
+        CALL_PROGRESS.set(call)  # seen by the engine client under vLLM's app, which runs in copies of it
         events = call_app(app, request.endpoint.value, body, request_headers(request))
         head = ResponseHead(0, "", self.replica_id, started_at, prefill_replica_id)
-        async with aclosing(relay(events, head, request.strip_usage)) as chunks:
+        progress = functools.partial(self.engine.num_generated_tokens, call.request_ids)
+        async with aclosing(relay(events, head, request.strip_usage, progress)) as chunks:
             try:
                 async for chunk in chunks:
                     yield self._checked(request, chunk)
@@ -154,6 +159,8 @@ class EngineServer:
             EngineDeadError: the head of vLLM's 5xx, or of a stream that begins with its error event, for a
                 request its engine, dead meanwhile, could not take.
         """
+        if chunk.heartbeat:
+            return chunk
         if self.engine.errored:
             if chunk.head is not None and (chunk.head.status_code >= 500 or is_error_event(chunk.data)):
                 raise EngineDeadError(self.replica_id)  # nothing was generated: another replica can take it

@@ -132,6 +132,9 @@ class ReplicaChunk:
     # Whether this is the replica's last chunk of the response: a stream that ends without one was cut off,
     # however it ended, and is never passed on as a complete response.
     final: bool = False
+    # Carries nothing for the client: the engine made progress on a call whose response has not started
+    # (a non-streamed one), which restarts the ingress's progress timeout.
+    heartbeat: bool = False
 
 
 def usage_from(payload: dict[str, Any]) -> TokenUsage | None:

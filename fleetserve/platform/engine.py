@@ -19,6 +19,7 @@ from typing import Any
 from fleetserve.platform.config import ConfigError, ModelConfig
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.nixl_tuning import DELAY_ENV as NIXL_DELAY_ENV
+from fleetserve.platform.progress import note_request
 from fleetserve.platform.stats import EngineStats, StatsListener, StatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -377,6 +378,21 @@ class Engine:
         """Requests the engine has taken and not finished."""
         return int(self._llm.get_num_unfinished_requests())
 
+    def num_generated_tokens(self, request_ids: Sequence[str]) -> int:
+        """Tokens generated so far for the unfinished ones of ``request_ids`` (vLLM's request ids).
+
+        Read from vLLM's output processor, which counts each request's tokens every step even where its
+        caller gets only the final output (a non-streamed request); 0 where vLLM keeps no such count.
+        """
+        processor = self._llm.output_processor
+        total = 0
+        for request_id in request_ids:
+            for internal_id in processor.external_req_ids.get(request_id, ()):
+                state = processor.request_states.get(internal_id)
+                if state is not None and state.stats is not None:
+                    total += state.stats.num_generation_tokens
+        return total
+
     async def check_health(self) -> None:
         """Raises if the engine core has died."""
         await self._llm.check_health()
@@ -402,6 +418,7 @@ class _ObservedClient:
         if transfer.get("do_remote_prefill"):
             pending = 0  # the prompt's KV comes from a prefill replica; nothing is computed here
         self._engine.num_pending_prompt_tokens += pending
+        note_request(request_id)
         try:
             async for output in self._llm.generate(prompt, sampling_params, request_id, **kwargs):
                 self._engine.num_pending_prompt_tokens -= pending

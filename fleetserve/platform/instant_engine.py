@@ -95,6 +95,9 @@ class InstantEngine:
     def num_unfinished_requests(self) -> int:
         return 0
 
+    def num_generated_tokens(self, request_ids: Any) -> int:
+        return 0  # answers at once: nothing to report before they are whole
+
     async def check_health(self) -> None:
         pass
 

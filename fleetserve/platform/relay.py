@@ -3,9 +3,11 @@ bytes, then coalesced bytes, then the request's usage."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead, TokenUsage, usage_from
 from fleetserve.platform.asgi_call import AppStart
@@ -15,6 +17,9 @@ _USAGE_MARK = b'"choices":[],'
 # vLLM's PRIORITY_HEADER (vllm.entrypoints.generate.base.serving): it overrides the body's priority on chat,
 # completions and Responses, and reaches the chat request vLLM converts an Anthropic request into.
 VLLM_PRIORITY_HEADER = b"x-vllm-priority"
+# How often a call whose response has not started says that its engine made progress (a heartbeat chunk):
+# under the ingress's progress_timeout_s, so a long non-streamed answer is not taken for a stuck one.
+HEARTBEAT_S = 2.0
 
 
 def request_headers(request: ApiRequest) -> list[tuple[bytes, bytes]]:
@@ -67,8 +72,18 @@ def split_usage_event(data: bytes) -> tuple[bytes, TokenUsage | None]:
     return data[:start] + data[end + 2:], usage
 
 
-async def relay(events: AsyncIterator[AppStart | bytes], head: ResponseHead,
-                strip_usage: bool = False) -> AsyncIterator[ReplicaChunk]:
+async def _heartbeats(starting: asyncio.Future, progress: Callable[[], int]) -> AsyncIterator[ReplicaChunk]:
+    """A heartbeat chunk each HEARTBEAT_S in which ``progress()`` changed, until ``starting`` is done."""
+    seen = progress()
+    while not (await asyncio.wait({starting}, timeout=HEARTBEAT_S))[0]:
+        now = progress()
+        if now != seen:  # a count that fell: one of the call's requests finished
+            seen = now
+            yield ReplicaChunk(b"", heartbeat=True)
+
+
+async def relay(events: AsyncIterator[AppStart | bytes], head: ResponseHead, strip_usage: bool = False,
+                progress: Callable[[], int] | None = None) -> AsyncIterator[ReplicaChunk]:
     """The replica chunks of one response.
 
     The first chunk waits for the first body bytes, so an ingress that has it knows the replica started
@@ -79,8 +94,22 @@ async def relay(events: AsyncIterator[AppStart | bytes], head: ResponseHead,
         events: ``call_app``'s output.
         head: the replica's identity; status and media type are filled in from the app.
         strip_usage: drop a stream's usage event (the ingress asked for it; the client did not).
+        progress: the tokens the engine has generated for the call; heartbeats report their growth until
+            the response starts.
     """
-    start = await anext(events)
+    if progress is None:
+        start = await anext(events)
+    else:
+        starting = asyncio.ensure_future(anext(events))
+        try:
+            async for beat in _heartbeats(starting, progress):
+                yield beat
+        finally:
+            if not starting.done():  # the caller left: the app hears of it (call_app's close)
+                starting.cancel()
+                with contextlib.suppress(BaseException):
+                    await starting
+        start = starting.result()
     head = dataclasses.replace(head, status_code=start.status_code, media_type=start.media_type)
     usage: TokenUsage | None = None
     body = bytearray()

@@ -234,6 +234,21 @@ async def test_the_platforms_priority_reaches_both_engines_on_every_generating_p
     assert decode_seen == prefill_seen == [7, 8, 9, 10]
 
 
+async def test_a_non_streamed_answer_reports_its_progress_before_it_is_whole(cluster, monkeypatch):
+    # vLLM gives a non-streamed request's caller only its final output; the replica reads the tokens its
+    # engine counts meanwhile and says, in heartbeats, that the request is progressing.
+    monkeypatch.setattr("fleetserve.platform.relay.HEARTBEAT_S", 0.05)
+    request = completion("heartbeats", prompts(length_seed=17)[0], max_tokens=64, temperature=0.0, ignore_eos=True)
+    chunks = [chunk async for chunk in cluster.reference.forward(request)]
+    beats = [chunk for chunk in chunks if chunk.heartbeat]
+    answer = json.loads(b"".join(chunk.data for chunk in chunks if not chunk.heartbeat))
+    # 64 tokens take over a second on this CPU: many 0.05 s periods in which the count grew. The heartbeats
+    # all come before the response, and carry nothing.
+    assert len(beats) > 0 and all(chunk.heartbeat for chunk in chunks[:len(beats)])
+    assert {(chunk.data, chunk.head) for chunk in beats} == {(b"", None)}
+    assert answer["usage"]["completion_tokens"] == 64
+
+
 async def test_background_response_without_vllms_store_is_refused_before_any_prefill(cluster):
     decode = cluster.decode[0]
     decode.prefill_client = LocalPrefillClient(cluster.prefill, order=[0])

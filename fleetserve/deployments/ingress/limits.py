@@ -192,6 +192,8 @@ class WorkLimits:
                 num_chunks += 1
                 if num_chunks == 1 and tenant is not None and generates:
                     self._started(model, tenant.tag)
+                if chunk.heartbeat:  # progress on a response not yet started: nothing to pass on
+                    continue
                 if entered and chunk.final:
                     # The engine is done with it: its slot is free before the rest reaches the client.
                     gate.leave(tenant.tenant)

@@ -107,7 +107,7 @@ class LimitsConfig(Strict):
     # a request that has streamed output ends with an error event instead, since output cannot be unsent.
     max_unstarted_retries: int = Field(default=2, ge=0)
     # Seconds a request may go without a new token (the first included) before it is aborted in the engine
-    # and reported to the client; None: no limit.
+    # and reported to the client; None: no limit. Non-streamed requests' tokens are reported every 2 s.
     progress_timeout_s: float | None = Field(default=300.0, gt=0)
 
 
