@@ -384,9 +384,9 @@ class Engine:
         Read from vLLM's output processor, which counts each request's tokens every step even where its
         caller gets only the final output (a non-streamed request); 0 where vLLM keeps no such count.
         """
-        processor = self._llm.output_processor
         total = 0
         try:
+            processor = self._llm.output_processor
             for request_id in request_ids:
                 for internal_id in processor.external_req_ids.get(request_id, ()):
                     state = processor.request_states.get(internal_id)
