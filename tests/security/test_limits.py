@@ -85,30 +85,31 @@ async def test_request_without_progress_is_aborted_and_reported(fake_engine_cls)
     assert len(server.engine.aborted) == 2 and server.engine.running == set() and app.in_flight == {"fake": 0}
 
 
-async def test_a_long_answer_that_progresses_is_not_taken_for_a_stuck_one(fake_engine_cls, monkeypatch):
-    class Steady(fake_engine_cls):
-        token_interval_s = 0.2
+async def non_streamed(engine_cls, monkeypatch, token_interval_s: float, max_tokens: int):
+    """A non-streamed completion under a 0.5 s progress timeout, its replica heartbeating each 0.1 s."""
+    class Paced(engine_cls):
+        pass
 
+    Paced.token_interval_s = token_interval_s
     monkeypatch.setattr("fleetserve.platform.relay.HEARTBEAT_S", 0.1)
-    app, server = ingress(Steady, progress_timeout_s=0.5)
+    app, server = ingress(Paced, progress_timeout_s=0.5)
     async with http(app) as client:
-        blocking = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 10})
+        response = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": max_tokens})
+    return response, app, server
+
+
+async def test_a_long_answer_that_progresses_is_not_taken_for_a_stuck_one(fake_engine_cls, monkeypatch):
+    response, _, server = await non_streamed(fake_engine_cls, monkeypatch, token_interval_s=0.2, max_tokens=10)
     # 10 tokens 0.2 s apart: 1.8 s in all, far past the 0.5 s progress timeout, with no body until the end.
     # The replica's heartbeats (one per 0.1 s in which a token came) say it progresses.
-    assert blocking.status_code == 200, blocking.text
-    assert blocking.json()["usage"]["completion_tokens"] == 10 and server.engine.aborted == []
+    assert response.status_code == 200, response.text
+    assert response.json()["usage"]["completion_tokens"] == 10 and server.engine.aborted == []
 
 
 async def test_a_stuck_answer_is_aborted_though_its_replica_sends_heartbeats(fake_engine_cls, monkeypatch):
-    class Stuck(fake_engine_cls):
-        token_interval_s = 5.0
-
-    monkeypatch.setattr("fleetserve.platform.relay.HEARTBEAT_S", 0.1)
-    app, server = ingress(Stuck, progress_timeout_s=0.5)
-    async with http(app) as client:
-        blocking = await client.post("/v1/completions", json={"model": "fake", "prompt": "a", "max_tokens": 3})
+    response, app, server = await non_streamed(fake_engine_cls, monkeypatch, token_interval_s=5.0, max_tokens=3)
     # One heartbeat for the first token; then nothing for 5 s, so no more, and the timeout runs out.
-    assert blocking.status_code == 504 and blocking.json()["error"]["code"] == "no_progress"
+    assert response.status_code == 504 and response.json()["error"]["code"] == "no_progress"
     assert server.engine.aborted != [] and server.engine.running == set() and app.in_flight == {"fake": 0}
 
 
