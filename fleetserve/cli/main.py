@@ -462,7 +462,7 @@ def bench(
                                                            "popularity, in the order given (0: uniform).")] = 0.0,
     api_key: Annotated[Optional[str], typer.Option(envvar="OPENAI_API_KEY", show_default=False,
                                                    help="Sent as a bearer token (never saved with results).")] = None,
-    api: Annotated[str, typer.Option(help="chat or completions.")] = "completions",
+    api: Annotated[str, typer.Option(help="chat, completions, messages (Anthropic's) or responses.")] = "completions",
     dataset_name: Annotated[str, typer.Option(help="random, shared-prefix, sharegpt, jsonl, or trace (a recorded "
                                                    "trace CSV: timestamp, prompt tokens, output tokens).")] = "random",
     dataset_path: Annotated[Optional[Path], typer.Option(help="File for sharegpt / jsonl / trace.")] = None,
@@ -506,12 +506,15 @@ def bench(
     import random
 
     from fleetserve.loadtest import datasets
+    from fleetserve.loadtest.client import API_PATHS, NO_IGNORE_EOS
     from fleetserve.loadtest.metrics import parse_goodput, parse_percentiles
     from fleetserve.loadtest.report import plot_run, plot_sweep, save_results, summary_table
     from fleetserve.loadtest.runner import BenchConfig, BenchError
 
-    if api not in ("chat", "completions"):
-        raise typer.BadParameter("--api must be chat or completions")
+    if api not in API_PATHS:
+        raise typer.BadParameter(f"--api must be one of {', '.join(API_PATHS)}")
+    if ignore_eos and api in NO_IGNORE_EOS:
+        raise typer.BadParameter(f"--ignore-eos: the {api} API has no ignore_eos (vLLM's, for OpenAI's APIs)")
     try:
         _refuse_other_datasets_options(ctx, dataset_name)
         percentiles = parse_percentiles(metric_percentiles)

@@ -1,4 +1,4 @@
-"""Sends one streaming request to an OpenAI-compatible endpoint and times every chunk."""
+"""Sends one streaming request to an OpenAI- or Anthropic-compatible endpoint and times every chunk."""
 
 from __future__ import annotations
 
@@ -11,7 +11,14 @@ import httpx
 
 from fleetserve.loadtest.datasets import RequestSpec
 
-Api = Literal["chat", "completions"]
+Api = Literal["chat", "completions", "messages", "responses"]
+# Each API's path under /v1, and the field that bounds its output.
+API_PATHS: dict[str, str] = {"chat": "chat/completions", "completions": "completions", "messages": "messages",
+                             "responses": "responses"}
+_MAX_TOKENS_FIELDS = {"chat": "max_tokens", "completions": "max_tokens", "messages": "max_tokens",
+                      "responses": "max_output_tokens"}
+# APIs without vLLM's ignore_eos (Anthropic's request has no such field).
+NO_IGNORE_EOS = ("messages",)
 # Statuses a server uses to turn work away: rate limited, overloaded.
 REFUSAL_STATUSES = (429, 503)
 # Response headers recorded per request (fleetserve names the model, replica, pool and routing reason it
@@ -22,8 +29,9 @@ ROUTING_HEADER_PREFIX = "x-fleetserve-"
 # The error of a 200 stream that ended normally without content (a random model can emit only tokens that
 # detokenize to nothing).
 EMPTY_STREAM = "the stream ended without any content"
-# A stream that stopped before `data: [DONE]` (its server died, or a proxy closed it): its output is partial.
-CUT_STREAM = "the stream ended before data: [DONE]"
+# A stream that stopped before its end (`data: [DONE]`, Anthropic's `message_stop`, the Responses API's
+# `response.completed`): its server died, or a proxy closed it, so its output is partial.
+CUT_STREAM = "the stream ended before its end event"
 
 
 @dataclass
@@ -80,27 +88,93 @@ class RequestRecord:
 
 
 def build_payload(spec: RequestSpec, api: Api, model: str, ignore_eos: bool) -> dict[str, Any]:
-    payload: dict[str, Any] = {"model": model, "max_tokens": spec.max_tokens, "stream": True,
-                               "stream_options": {"include_usage": True}, "temperature": 0.0}
+    payload: dict[str, Any] = {"model": model, _MAX_TOKENS_FIELDS[api]: spec.max_tokens, "stream": True,
+                               "temperature": 0.0}
+    if api in ("chat", "completions"):
+        payload["stream_options"] = {"include_usage": True}
     if ignore_eos:
         payload["ignore_eos"] = True
-    if spec.group_id is not None:
+    if spec.group_id is not None and api != "messages":
         # OpenAI's end-user field: one "conversation" per prefix group, for session-affinity routing.
         payload["user"] = f"group-{spec.group_id}"
-    if api == "chat":
-        payload["messages"] = [{"role": "user", "content": spec.prompt}]
-    else:
+    if api == "completions":
         payload["prompt"] = spec.prompt
+    elif api == "responses":
+        payload["input"] = spec.prompt
+    else:
+        payload["messages"] = [{"role": "user", "content": spec.prompt}]
     return payload
 
 
-def _content(event: dict[str, Any], api: Api) -> str:
+@dataclass
+class StreamEvent:
+    """What one server-sent event of an API's stream says."""
+
+    # Output text it carries ("" for none).
+    text: str = ""
+    # The server's error message, if the event is an error.
+    error: str | None = None
+    # Whether it is the stream's end event.
+    end: bool = False
+    # Token counts it carries (prompt, output, cached prompt), None where it says none.
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+    cached_tokens: int | None = None
+
+
+def read_event(event: dict[str, Any], api: Api) -> StreamEvent:
+    """The text, error, end and usage of one parsed ``data:`` payload of ``api``'s stream."""
+    if api == "messages":
+        return _anthropic_event(event)
+    if api == "responses":
+        return _responses_event(event)
+    if "error" in event:
+        error = event["error"]
+        return StreamEvent(error=str(error.get("message", error) if isinstance(error, dict) else error))
     choices = event.get("choices") or []
-    if not choices:
-        return ""
-    if api == "chat":
-        return (choices[0].get("delta") or {}).get("content") or ""
-    return choices[0].get("text") or ""
+    text = ""
+    if choices:
+        text = ((choices[0].get("delta") or {}).get("content") if api == "chat" else choices[0].get("text")) or ""
+    usage = event.get("usage") or {}
+    if not usage:
+        return StreamEvent(text=text)
+    details = usage.get("prompt_tokens_details") or {}
+    return StreamEvent(text=text, prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                       output_tokens=int(usage.get("completion_tokens") or 0),
+                       cached_tokens=details.get("cached_tokens"))
+
+
+def _anthropic_event(event: dict[str, Any]) -> StreamEvent:
+    kind = event.get("type")
+    if kind == "content_block_delta":
+        delta = event.get("delta") or {}
+        return StreamEvent(text=delta.get("text") or "" if delta.get("type") == "text_delta" else "")
+    if kind == "message_start":
+        usage = (event.get("message") or {}).get("usage") or {}
+        cached = int(usage.get("cache_read_input_tokens") or 0)
+        # Anthropic's input_tokens leaves out the prompt tokens read from or written to the cache.
+        prompt = int(usage.get("input_tokens") or 0) + cached + int(usage.get("cache_creation_input_tokens") or 0)
+        return StreamEvent(prompt_tokens=prompt, cached_tokens=cached)
+    if kind == "message_delta":
+        return StreamEvent(output_tokens=int((event.get("usage") or {}).get("output_tokens") or 0))
+    if kind == "error":
+        return StreamEvent(error=str((event.get("error") or {}).get("message", event)))
+    return StreamEvent(end=kind == "message_stop")
+
+
+def _responses_event(event: dict[str, Any]) -> StreamEvent:
+    kind = event.get("type")
+    if kind == "response.output_text.delta":
+        return StreamEvent(text=event.get("delta") or "")
+    if kind == "response.completed":
+        usage = (event.get("response") or {}).get("usage") or {}
+        return StreamEvent(end=True, prompt_tokens=int(usage.get("input_tokens") or 0),
+                           output_tokens=int(usage.get("output_tokens") or 0),
+                           cached_tokens=(usage.get("input_tokens_details") or {}).get("cached_tokens"))
+    if kind in ("error", "response.failed"):
+        error = event.get("message") or ((event.get("response") or {}).get("error") or {}).get("message")
+        return StreamEvent(error=str(error or event))
+    return StreamEvent()
 
 
 async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any], api: Api,
@@ -133,28 +207,30 @@ async def send_request(http: httpx.AsyncClient, url: str, payload: dict[str, Any
                 if data == "[DONE]":
                     done = True
                     break
-                event = json.loads(data)
-                if "error" in event:
-                    record.error = f"stream error: {event['error'].get('message', event['error'])}"
+                said = read_event(json.loads(data), api)
+                if said.error is not None:
+                    record.error = f"stream error: {said.error}"
                     return record
                 now = time.perf_counter()
-                text = _content(event, api)
-                if text:
+                if said.text:
                     if record.ttft is None:
                         record.ttft = now - sent
                     else:
                         record.itl.append(now - last)
                     record.chunk_times.append(now - run_start)
-                    pieces.append(text)
+                    pieces.append(said.text)
                     last = now
-                usage = event.get("usage")
-                if usage:
-                    record.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-                    record.output_tokens = int(usage.get("completion_tokens") or 0)
+                if said.prompt_tokens is not None:
+                    record.prompt_tokens = said.prompt_tokens
                     record.usage_from_server = True
-                    details = usage.get("prompt_tokens_details") or {}
-                    if details.get("cached_tokens") is not None:
-                        record.cached_tokens = int(details["cached_tokens"])
+                if said.output_tokens is not None:
+                    record.output_tokens = said.output_tokens
+                    record.usage_from_server = True
+                if said.cached_tokens is not None:
+                    record.cached_tokens = int(said.cached_tokens)
+                if said.end:
+                    done = True
+                    break
         record.e2el = time.perf_counter() - sent
         record.output_text = "".join(pieces)
         record.ok = record.ttft is not None and done

@@ -14,7 +14,7 @@ import httpx
 import numpy as np
 
 from fleetserve.loadtest.arrivals import inter_arrival_times
-from fleetserve.loadtest.client import Api, RequestRecord, build_payload, send_request
+from fleetserve.loadtest.client import API_PATHS, Api, RequestRecord, build_payload, send_request
 from fleetserve.loadtest.connections import ConnectionPools
 from fleetserve.loadtest.datasets import RequestSpec
 from fleetserve.loadtest.metrics import compute_metrics, timeline
@@ -75,7 +75,7 @@ class BenchConfig:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.v1_url}/{'chat/completions' if self.api == 'chat' else 'completions'}"
+        return f"{self.v1_url}/{API_PATHS[self.api]}"
 
 
 @dataclass

@@ -149,7 +149,7 @@ async def test_a_stream_cut_before_done_is_a_failure_not_a_completion(schedule_u
                                  specs(2, 3) + specs(3, 3, prompt="CUT short"))
     # The 3 cut streams sent all their content, but no [DONE]: partial output, counted as failed.
     assert (result.metrics["completed"], result.metrics["failed"]) == (2, 3)
-    assert result.to_dict(detailed=False)["errors"] == {"the stream ended before data: [DONE]": 3}
+    assert result.to_dict(detailed=False)["errors"] == {"the stream ended before its end event": 3}
 
 
 @pytest.mark.parametrize(("count_tokens", "expected"), [
@@ -374,3 +374,10 @@ async def test_streams_in_flight_spread_evenly_over_the_connection_pools(schedul
             await stream.__aexit__(None, None, None)
     assert [response.status_code for response in responses] == [200] * 32
     assert held == [2] * 16
+
+
+def test_bench_refuses_ignore_eos_where_the_api_has_none(tmp_path):
+    refused = subprocess.run([sys.executable, "-m", "fleetserve.cli", "bench", "--base-url", "http://127.0.0.1:9",
+                              "--model", "tiny", "--api", "messages", "--ignore-eos"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and "the messages API has no ignore_eos" in refused.stderr

@@ -9,10 +9,11 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def bench(url: str, out, *extra: str) -> dict:
+def bench(url: str, out, *extra: str, ignore_eos: bool = True) -> dict:
     done = subprocess.run([sys.executable, "-m", "fleetserve.cli", "bench", "--base-url", url, "--model", "tiny",
                            "--num-prompts", "12", "--request-rate", "inf", "--max-concurrency", "4",
-                           "--random-input-len", "32", "--random-output-len", "16", "--ignore-eos",
+                           "--random-input-len", "32", "--random-output-len", "16",
+                           *(["--ignore-eos"] if ignore_eos else []),
                            "--tokenizer", "tiny-random-llama", "--save-result", str(out), "--save-detailed", *extra],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -36,6 +37,21 @@ def test_bench_against_fleetserve_and_bare_vllm_then_compare(served, bare_vllm, 
                               capture_output=True, text=True, timeout=60)
     assert compared.returncode == 0
     assert "fleetserve" in compared.stderr and "vllm" in compared.stderr and "ratio" in compared.stderr
+
+
+def test_bench_loads_anthropic_messages_and_responses_as_their_clients_send_them(served, tmp_path):
+    chat = bench(served.base_url, tmp_path / "chat.json", "--api", "chat")
+    messages = bench(served.base_url, tmp_path / "messages.json", "--api", "messages", ignore_eos=False)
+    responses = bench(served.base_url, tmp_path / "responses.json", "--api", "responses")
+    for run in (chat, messages, responses):
+        assert (run["metrics"]["completed"], run["metrics"]["failed"]) == (12, 0), run["errors"]
+        assert all(record["usage_from_server"] and record["ttft"] is not None for record in run["records"])
+    # The same 12 prompts (seed 0), as one user message each: vLLM renders all three the same way.
+    assert messages["metrics"]["total_input_tokens"] == responses["metrics"]["total_input_tokens"] == \
+        chat["metrics"]["total_input_tokens"]
+    # Anthropic's API has no ignore_eos: each answer may stop early, never past the 16-token budget.
+    assert all(1 <= record["output_tokens"] <= 16 for record in messages["records"])
+    assert responses["metrics"]["total_output_tokens"] == 12 * 16
 
 
 def _content(url: str, path: str, body: dict) -> str:
