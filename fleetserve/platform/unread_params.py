@@ -108,10 +108,13 @@ class RequestCheck:
 
     Args:
         chat_template: the template the model's chat requests render with; None skips the template check.
+        schedules_by_priority: whether the engine orders its queue by ``priority`` (vLLM's scheduling_policy
+            ``priority``); its first-come-first-served scheduler ignores a request's priority.
     """
 
-    def __init__(self, chat_template: str | None) -> None:
+    def __init__(self, chat_template: str | None, schedules_by_priority: bool = False) -> None:
         self._template_vars = template_variables(chat_template) if chat_template is not None else None
+        self._schedules_by_priority = schedules_by_priority
 
     def unread(self, endpoint: Endpoint, payload: dict[str, Any]) -> list[UnreadParam]:
         """The parameters of ``payload`` that nothing would act on, in body order.
@@ -136,6 +139,8 @@ class RequestCheck:
         unread += [UnreadParam(path, "vLLM") for path in nested]
         if endpoint is Endpoint.CHAT and self._template_vars is not None:
             unread += self._unread_by_template(payload)
+        if not self._schedules_by_priority and "priority" in known and payload.get("priority") not in (None, 0):
+            unread.append(UnreadParam("priority", "the engine's first-come-first-served scheduler"))
         return unread
 
     def _unread_by_template(self, payload: dict[str, Any]) -> list[UnreadParam]:

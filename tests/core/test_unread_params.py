@@ -50,6 +50,18 @@ def test_prompt_cache_key_is_read_by_the_platform():
     assert paths(Endpoint.CHAT, chat(prompt_cache_key="tenant-a")) == []
 
 
+@pytest.mark.parametrize("endpoint, payload", [
+    (Endpoint.CHAT, chat()), (Endpoint.COMPLETIONS, {"model": "m", "prompt": "hi"}),
+    (Endpoint.RESPONSES, {"model": "m", "input": "hi"}),
+])
+def test_a_priority_is_unread_unless_the_engine_schedules_by_it(endpoint, payload):
+    first_come = RequestCheck(None)
+    by_priority = RequestCheck(None, schedules_by_priority=True)
+    assert [param.path for param in first_come.unread(endpoint, {**payload, "priority": 5})] == ["priority"]
+    assert first_come.unread(endpoint, {**payload, "priority": 0}) == []  # vLLM's default asks for nothing
+    assert by_priority.unread(endpoint, {**payload, "priority": 5}) == []
+
+
 def test_nested_unknown_fields_are_found_by_path():
     tool = {"type": "function", "function": {"name": "f", "parameters": {}, "bogus": 1}}
     payload = chat(tools=[tool], stream=True, stream_options={"include_usage": True, "every": 2})

@@ -88,7 +88,7 @@ async def test_batch_work_leaves_the_upper_half_of_the_queue_to_interactive_work
 
 async def test_on_a_priority_scheduled_engine_the_platform_sets_each_requests_priority(fake_engine_cls):
     app, server = classed_ingress(fake_engine_cls, scheduling_policy="priority")
-    body = {"model": "fake", "prompt": "x", "max_tokens": 1, "priority": -5}  # a caller cannot jump the queue
+    body = {"model": "fake", "prompt": "x", "max_tokens": 1}
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app.build_app()), base_url="http://test",
                                  timeout=30) as http:
         for tenant in ("heavy", "light"):
@@ -97,8 +97,22 @@ async def test_on_a_priority_scheduled_engine_the_platform_sets_each_requests_pr
     # batch runs after every interactive request: vLLM's priority BATCH_PRIORITY + 0 and 0 (lower first); each
     # tenant's first request is tagged at the virtual time, 0.
     assert server.engine.priorities == [BATCH_PRIORITY, 0]
-    # Sent in vLLM's priority header, which overrides the body's: the caller's body goes as sent.
-    assert [body["priority"] for body in server.engine.bodies] == [-5, -5]
+    # Sent in vLLM's priority header; the body goes as the caller sent it.
+    assert all("priority" not in body for body in server.engine.bodies)
+
+
+async def test_a_callers_own_priority_is_refused_where_the_platform_sets_it(fake_engine_cls):
+    app, server = classed_ingress(fake_engine_cls, scheduling_policy="priority")
+    body = {"model": "fake", "prompt": "x", "max_tokens": 1, "priority": -5}  # an attempt to jump the queue
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app.build_app()), base_url="http://test",
+                                 timeout=30) as http:
+        refused = await http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS['light']}"})
+        default = await http.post("/v1/completions", json={**body, "priority": 0},
+                                  headers={"Authorization": f"Bearer {KEYS['light']}"})
+    error = refused.json()["error"]
+    assert (refused.status_code, error["param"], error["code"]) == (400, "priority", "unsupported_parameter")
+    # vLLM's default, 0, asks for nothing: served at the platform's priority (light's first tag, 0).
+    assert default.status_code == 200 and server.engine.priorities == [0] and app.in_flight == {"fake": 0}
 
 
 async def test_anthropic_messages_take_the_platforms_priority_whatever_the_caller_sends(fake_engine_cls):

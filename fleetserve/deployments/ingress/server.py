@@ -403,14 +403,28 @@ class OpenAIIngress:
                            404, "not_found_error", param="model", code="model_not_found")
         return client
 
+    def _schedules_by_priority(self, model: str) -> bool:
+        config = self._config(model)
+        return config is not None and config.engine_args.extra.get("scheduling_policy") == "priority"
+
     def _priority(self, model: str, tenant: TenantClass | None) -> int | None:
         """vLLM's request priority (lower runs first) on a model whose engines schedule by priority: the
         request's fair-queuing start tag (``FairQueue``), batch after all interactive work; None elsewhere
         (vLLM's API documents a priority other than 0 there as an error)."""
-        config = self._config(model)
-        if tenant is None or config is None or config.engine_args.extra.get("scheduling_policy") != "priority":
+        if tenant is None or not self._schedules_by_priority(model):
             return None
         return priority(tenant.tag, tenant.batch)
+
+    def _refuse_callers_priority(self, model: str, tenant: str | None, fields: RequestFields) -> None:
+        """Refuses a caller's own ``priority`` where the platform sets each tenant's (it would not take effect).
+
+        Raises:
+            APIError: 400 naming ``priority``.
+        """
+        asked = fields.payload.get("priority") not in (None, 0)
+        if tenant is not None and asked and self._schedules_by_priority(model):
+            raise APIError("`priority` is set by the platform, from each tenant's fair share and class; remove it",
+                           400, "invalid_request_error", param="priority", code="unsupported_parameter")
 
     def _forwarded_body(self, endpoint: Endpoint, fields: RequestFields, model: str, body: bytes) -> tuple[bytes, bool]:
         """The body to forward, and whether the replica should drop a usage event the ingress asked for.
@@ -456,6 +470,7 @@ class OpenAIIngress:
             choice, routed_text = await self._route(endpoint, fields)
         model = choice.model if choice is not None else fields.model
         client = self._client(model)
+        self._refuse_callers_priority(model, tenant, fields)
         assigned = request_id is not None
         request_id = request_id or new_id("req")
         if choice is not None:
