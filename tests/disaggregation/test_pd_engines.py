@@ -87,8 +87,9 @@ def completion(request_id: str, prompt: list[int], **options) -> ApiRequest:
 
 
 async def respond(server: EngineServer, request: ApiRequest) -> tuple[int, dict, str | None]:
-    """(status, parsed body, prefill replica id) of one non-streamed request."""
-    chunks = [chunk async for chunk in server.forward(request)]
+    """(status, parsed body, prefill replica id) of one non-streamed request (its heartbeats left out, as the
+    ingress leaves them out)."""
+    chunks = [chunk async for chunk in server.forward(request) if not chunk.heartbeat]
     head = chunks[0].head
     return head.status_code, json.loads(b"".join(chunk.data for chunk in chunks)), head.prefill_replica_id
 
