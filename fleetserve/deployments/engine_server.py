@@ -84,8 +84,7 @@ class EngineServer:
         # The model's LoRA adapters (None without lora:); the names the engine holds, for the router.
         self.adapters = ReplicaAdapters(path) if model.lora is not None else None
         self.resident_adapter_names: list[str] = []
-        self.request_check = RequestCheck(self._chat_template(),
-                                          model.engine_args.extra.get("scheduling_policy") == "priority")
+        self.request_check = RequestCheck(self._chat_template(), model.schedules_by_priority)
         self._stall = StallWatch(model.stall_timeout_s) if model.stall_timeout_s is not None else None
 
     def _chat_template(self) -> str | None:

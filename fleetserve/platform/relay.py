@@ -77,7 +77,7 @@ async def _heartbeats(starting: asyncio.Future, progress: Callable[[], int]) -> 
     seen = progress()
     while not (await asyncio.wait({starting}, timeout=HEARTBEAT_S))[0]:
         now = progress()
-        if now != seen:  # a count that fell: one of the call's requests finished
+        if now != seen:  # grown, or fallen as one of the call's requests finished and left the count
             seen = now
             yield ReplicaChunk(b"", heartbeat=True)
 

@@ -405,7 +405,7 @@ class OpenAIIngress:
 
     def _schedules_by_priority(self, model: str) -> bool:
         config = self._config(model)
-        return config is not None and config.engine_args.extra.get("scheduling_policy") == "priority"
+        return config is not None and config.schedules_by_priority
 
     def _priority(self, model: str, tenant: TenantClass | None) -> int | None:
         """vLLM's request priority (lower runs first) on a model whose engines schedule by priority: the

@@ -114,6 +114,11 @@ class ModelConfig(Strict):
         """The names of the adapters configured under this base (empty without lora)."""
         return [adapter.name for adapter in self.lora.adapters] if self.lora is not None else []
 
+    @property
+    def schedules_by_priority(self) -> bool:
+        """Whether the engines order their queue by request priority (vLLM's scheduling_policy ``priority``)."""
+        return self.engine_args.extra.get("scheduling_policy") == "priority"
+
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``vllm.AsyncEngineArgs``: the engine args plus the LoRA limits."""
         return {**self.engine_args.to_vllm_kwargs(), **(self.lora.engine_kwargs() if self.lora else {})}
