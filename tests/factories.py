@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,6 +37,16 @@ def calibrated_classifier(strong_fraction: float = 0.25) -> Any:
 
 
 MiB = 1024 * 1024
+
+
+def peft_folder(path: Path, r: int = 8, weights: bool = True, **fields: Any) -> Path:
+    """A PEFT adapter folder as vLLM's checks read it: ``adapter_config.json``, and an (empty) weights file."""
+    path.mkdir(parents=True, exist_ok=True)
+    config = {"r": r, "lora_alpha": 2 * r, "target_modules": ["q_proj"], **fields}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    if weights:
+        (path / "adapter_model.safetensors").write_bytes(b"")
+    return path
 
 
 # Tests run vLLM eagerly: torch.compile adds ~12 s to every engine start on these CPUs and the suite

@@ -69,7 +69,7 @@ def _check_changed_adapters(config: PlatformConfig, change: ConfigChange) -> Non
         lora = config.model(name).lora
         for adapter in lora.adapters if lora is not None else []:
             try:
-                check_adapter_source(adapter.source)
+                check_adapter_source(adapter.source, lora.max_lora_rank)
             except AdapterSourceError as error:
                 raise ConfigError(f"models[{name}].lora.adapters[{adapter.name}]: {error}") from None
 

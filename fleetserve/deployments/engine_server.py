@@ -82,7 +82,7 @@ class EngineServer:
             self.engine = engine_cls.create(model, path, cpu_binding=cpu_binding, stats_listeners=[self.metrics],
                                             **extra)
         # The model's LoRA adapters (None without lora:); the names the engine holds, for the router.
-        self.adapters = ReplicaAdapters(path) if model.lora is not None else None
+        self.adapters = ReplicaAdapters(path, model.lora.max_lora_rank) if model.lora is not None else None
         self.resident_adapter_names: list[str] = []
         self.request_check = RequestCheck(self._chat_template(), model.schedules_by_priority)
         self._stall = StallWatch(model.stall_timeout_s) if model.stall_timeout_s is not None else None
@@ -238,9 +238,13 @@ class ServeReplica:
                     config.pool, binding)
         return context.replica_id.unique_id, binding
 
-    def _start_replica_tasks(self, metrics_hub: Any) -> None:
-        """Starts publishing metrics, and builds vLLM's app (with the current adapter set) now rather than
-        on the first request."""
+    async def _start_replica_tasks(self, metrics_hub: Any) -> None:
+        """Starts publishing metrics, and builds vLLM's app (with the current adapter set) before the replica
+        takes requests.
+
+        A replica whose app cannot build (vLLM refuses a configured adapter at start) fails to start with
+        vLLM's reason, rather than starting healthy and answering every request with it.
+        """
         self.metrics.set_node(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         loop = asyncio.get_event_loop()
         self._hub = metrics_hub
@@ -248,6 +252,11 @@ class ServeReplica:
         self._publisher = loop.create_task(self._publish()) if metrics_hub else None
         # Each request's fiber stack, and what a burst leaves in malloc's arenas, back to the kernel.
         self._allocator_trim = tune_for_serving(loop)
+        try:
+            await self._app_warmup
+        except Exception as error:
+            self.shutdown()
+            raise RuntimeError(f"models[{self.model.name}]: vLLM's OpenAI app did not build: {error}") from error
 
     async def _warm_up(self) -> Any:
         with self.metrics.startup_phase(StartupPhase.APP):
@@ -323,9 +332,10 @@ class ServeReplica:
 class EngineDeployment(ServeReplica, EngineServer):
     """Ray Serve replica of an engine server; its options come from ``serve_options.deployment_options``."""
 
-    def __init__(self, config: ModelConfig, cpu_bindings: list[str] | None = None,
-                 model_path: str | None = None, metrics_hub: Any = None, engine_cls: type[Engine] = Engine) -> None:
+    async def __init__(self, config: ModelConfig, cpu_bindings: list[str] | None = None,  # type: ignore[misc]
+                       model_path: str | None = None, metrics_hub: Any = None,
+                       engine_cls: type[Engine] = Engine) -> None:
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, engine_cls=engine_cls, replica_id=replica_id, cpu_binding=binding,
                          model_path=model_path, kv_events_port=self._kv_events_port(config))
-        self._start_replica_tasks(metrics_hub)
+        await self._start_replica_tasks(metrics_hub)

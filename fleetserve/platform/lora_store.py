@@ -21,6 +21,8 @@ RANDOM_LORA_RANK = 8
 _RANDOM_LORA_VERSION = 1
 # Layers a random adapter targets: every projection of a Llama-style block.
 _TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Files vLLM's LoRA loader reads an adapter's weights from (vllm/lora/lora_model.py), any one of them.
+ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
 
 
 class AdapterSourceError(ValueError):
@@ -38,11 +40,16 @@ class AdapterSourceError(ValueError):
         return (AdapterSourceError, (str(self), self.status_code))
 
 
-def check_adapter_source(source: str) -> None:
+def check_adapter_source(source: str, max_lora_rank: int | None = None) -> None:
     """Checks that ``source`` names a PEFT folder here, or is ``random-lora:<seed>``, without building it.
 
+    Args:
+        source: the adapter's source, as configured or sent to the admin API.
+        max_lora_rank: the base model's ``lora.max_lora_rank``; given, a folder is also checked as
+            ``check_adapter_folder`` does.
+
     Raises:
-        AdapterSourceError: neither a PEFT folder nor ``random-lora:<seed>``.
+        AdapterSourceError: neither a PEFT folder nor ``random-lora:<seed>``, or a folder vLLM would refuse.
     """
     if source.startswith(RANDOM_LORA_PREFIX):
         if not source.removeprefix(RANDOM_LORA_PREFIX).isdigit():
@@ -51,18 +58,46 @@ def check_adapter_source(source: str) -> None:
     elif not (Path(source).expanduser() / "adapter_config.json").exists():
         raise AdapterSourceError(f"adapter source {source!r} not found: expected a PEFT adapter folder "
                                  f"(with adapter_config.json) or {RANDOM_LORA_PREFIX}<seed>", 404)
+    elif max_lora_rank is not None:
+        check_adapter_folder(Path(source).expanduser(), max_lora_rank)
 
 
-def resolve_adapter_source(source: str, base_path: Path) -> Path:
-    """A local PEFT folder for ``source``, building a random adapter for ``base_path`` if asked.
+def check_adapter_folder(path: Path, max_lora_rank: int) -> None:
+    """Refuses a PEFT folder that vLLM's LoRA loader would refuse, read by vLLM's own PEFT reader: no weights,
+    a rank above ``max_lora_rank``, or a PEFT feature vLLM does not implement (DoRA, LoRA bias, ...).
+
+    vLLM finds these only when an engine loads the adapter, and answers a 500; a configured adapter it refuses
+    stops the replica's whole OpenAI app from building.
 
     Raises:
-        AdapterSourceError: neither a PEFT folder nor ``random-lora:<seed>``.
+        AdapterSourceError: (400) with vLLM's reason.
+    """
+    from vllm.config.lora import LoRAConfig
+    from vllm.lora.peft_helper import PEFTHelper
+
+    if not any((path / name).is_file() for name in ADAPTER_WEIGHT_FILES):
+        raise AdapterSourceError(f"adapter folder {path} holds no weights: expected one of "
+                                 f"{', '.join(ADAPTER_WEIGHT_FILES)}", 400)
+    try:
+        PEFTHelper.from_local_dir(str(path), None).validate_legal(LoRAConfig(max_lora_rank=max_lora_rank))
+    except (ValueError, TypeError) as error:  # a malformed adapter_config.json is a JSONDecodeError (ValueError)
+        raise AdapterSourceError(f"adapter folder {path}: {error}", 400) from None
+
+
+def resolve_adapter_source(source: str, base_path: Path, max_lora_rank: int) -> Path:
+    """A local PEFT folder for ``source`` that vLLM will load, building a random adapter for ``base_path`` if
+    asked.
+
+    Raises:
+        AdapterSourceError: neither a PEFT folder nor ``random-lora:<seed>``, or a folder vLLM would refuse.
     """
     check_adapter_source(source)
     if source.startswith(RANDOM_LORA_PREFIX):
-        return random_lora(base_path, int(source.removeprefix(RANDOM_LORA_PREFIX)))
-    return Path(source).expanduser()
+        path = random_lora(base_path, int(source.removeprefix(RANDOM_LORA_PREFIX)))
+    else:
+        path = Path(source).expanduser()
+    check_adapter_folder(path, max_lora_rank)
+    return path
 
 
 def random_lora(base_path: Path, seed: int) -> Path:

@@ -84,7 +84,7 @@ def lora_module_flags(model: ModelConfig, base_path: Path) -> list[str]:
     modules = []
     for adapter in model.lora.adapters:
         try:
-            path = resolve_adapter_source(adapter.source, base_path)
+            path = resolve_adapter_source(adapter.source, base_path, model.lora.max_lora_rank)
         except AdapterSourceError as error:
             raise ConfigError(f"models[{model.name}].lora.adapters[{adapter.name}]: {error}") from None
         modules.append(json.dumps({"name": adapter.name, "path": str(path), "base_model_name": model.name}))

@@ -23,10 +23,12 @@ class ReplicaAdapters:
 
     Args:
         base_path: the base model's folder, which random adapters are built for.
+        max_lora_rank: the engine's largest adapter rank (the model's ``lora.max_lora_rank``).
     """
 
-    def __init__(self, base_path: Path) -> None:
+    def __init__(self, base_path: Path, max_lora_rank: int) -> None:
         self.base_path = base_path
+        self.max_lora_rank = max_lora_rank
         # The registry version this replica serves; 0 is the configured set vLLM loads at start.
         self.version = 0
         # adapter name -> the source it was loaded from
@@ -45,7 +47,7 @@ class ReplicaAdapters:
         models = app.state.openai_serving_models
         if op is AdapterOp.LOAD:
             try:
-                path = resolve_adapter_source(source or "", self.base_path)
+                path = resolve_adapter_source(source or "", self.base_path, self.max_lora_rank)
             except AdapterSourceError as error:
                 kind = "NotFoundError" if error.status_code == 404 else "BadRequestError"
                 return error.status_code, _error_body(str(error), error.status_code, kind)

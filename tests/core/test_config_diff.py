@@ -1,7 +1,7 @@
 """What `fleetserve apply` changes: the config diff, and which deployments keep their Serve version."""
 
 import pytest
-from factories import model_entry
+from factories import model_entry, peft_folder
 
 from fleetserve.deployments.builders import _engine_version
 from fleetserve.platform.config import ServerConfig, parse_config
@@ -73,11 +73,14 @@ def test_apply_refuses_an_adapter_source_that_cannot_load_before_deploying(monke
                                                                  {"name": "a-2", "source": source}]}})
 
     monkeypatch.setattr(apply, "running_config", lambda app_name: lora("random-lora:2"))
-    (tmp_path / "adapter_config.json").write_text("{}")
-    assert apply.plan_change(lora(str(tmp_path))).changed == {"a": ["lora.adapters"]}
+    assert apply.plan_change(lora(str(peft_folder(tmp_path / "ok")))).changed == {"a": ["lora.adapters"]}
     # Before, each replica failed to load it in turn, and apply waited 60 s to say so.
     with pytest.raises(ConfigError, match=r"models\[a\]\.lora\.adapters\[a-2\]: adapter source '/no/adapter' not "
                                           r"found: expected a PEFT adapter folder"):
         apply.plan_change(lora("/no/adapter"))
     with pytest.raises(ConfigError, match=r"adapter source 'random-lora:x': expected random-lora:<seed>"):
         apply.plan_change(lora("random-lora:x"))
+    # The model's max_lora_rank is vLLM's default, 16.
+    with pytest.raises(ConfigError, match=r"adapters\[a-2\]: adapter folder .*: LoRA rank 32 is greater than "
+                                          r"max_lora_rank 16\."):
+        apply.plan_change(lora(str(peft_folder(tmp_path / "big", r=32))))

@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from factories import peft_folder
 from fleetserve.platform.config import ConfigError, parse_config
 from fleetserve.platform.openai_app import lora_module_flags
 
@@ -19,11 +20,21 @@ def test_lora_limits_become_vllm_engine_kwargs():
 
 
 def test_configured_adapters_become_vllm_lora_modules_naming_their_base(tmp_path):
-    (tmp_path / "adapter_config.json").write_text("{}")
+    peft_folder(tmp_path)
     model = parse_config(config({"adapters": [{"name": "base-sql", "source": str(tmp_path)}]})).models[0]
     flags = lora_module_flags(model, tmp_path)
     assert flags[0] == "--lora-modules"
     assert json.loads(flags[1]) == {"name": "base-sql", "path": str(tmp_path), "base_model_name": "base"}
+
+
+def test_a_configured_adapter_vllm_would_refuse_is_a_config_error_naming_it(tmp_path):
+    pytest.importorskip("vllm")
+    folder = peft_folder(tmp_path, r=16)
+    model = parse_config(config({"max_lora_rank": 8, "adapters": [{"name": "base-sql", "source": str(folder)}]}))
+    # vLLM would refuse it only inside the engine, where it stopped the replica's whole app from building.
+    with pytest.raises(ConfigError, match=r"models\[base\]\.lora\.adapters\[base-sql\]: adapter folder .*: "
+                                          r"LoRA rank 16 is greater than max_lora_rank 8\."):
+        lora_module_flags(model.models[0], tmp_path)
 
 
 @pytest.mark.parametrize(("data", "expected"), [

@@ -33,8 +33,9 @@ def main() -> None:
         llm = LLM(model=str(base_path), **model.engine_kwargs())
         adapters = {**{a.name: a.source for a in (model.lora.adapters if model.lora else [])},
                     **cases.get("adapters", {}).get(model.name, {})}
-        runs = {model.name: None} | {name: LoRARequest(name, index + 1, str(resolve_adapter_source(source, base_path)))
-                                     for index, (name, source) in enumerate(sorted(adapters.items()))}
+        runs = {model.name: None} | {
+            name: LoRARequest(name, index + 1, str(resolve_adapter_source(source, base_path, model.lora.max_lora_rank)))
+            for index, (name, source) in enumerate(sorted(adapters.items()))}
         for name, lora in runs.items():
             completions = [out.outputs[0].text for out in llm.generate(cases["completions"], params, use_tqdm=False,
                                                                         lora_request=lora)]

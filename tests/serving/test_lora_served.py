@@ -15,7 +15,7 @@ import pytest
 
 from cluster_helpers import engine_core_pids, kill, replica_actors, wait_until_healthy
 from conftest import Served
-from factories import model_entry
+from factories import model_entry, peft_folder
 
 pytestmark = pytest.mark.slow
 
@@ -122,7 +122,7 @@ def change(url: str, op: str, body: dict) -> httpx.Response:
     return httpx.post(f"{url}/v1/{op}_lora_adapter", json=body, timeout=120)
 
 
-def test_adapter_loaded_at_run_time_serves_on_both_replicas_then_unloads(lora_app, reference):
+def test_adapter_loaded_at_run_time_serves_on_both_replicas_then_unloads(lora_app, reference, tmp_path):
     loaded = change(lora_app.base_url, "load", {"lora_name": "tiny-c", "lora_path": RUNTIME["tiny-c"]})
     assert (loaded.status_code, loaded.text) == (200, "Success: LoRA adapter 'tiny-c' added successfully.")
     assert loaded.headers["x-fleetserve-adapter-replicas"] == "2/2"
@@ -138,6 +138,10 @@ def test_adapter_loaded_at_run_time_serves_on_both_replicas_then_unloads(lora_ap
     assert missing.status_code == 404 and "not found" in missing.json()["error"]["message"]
     malformed = change(lora_app.base_url, "load", {"lora_name": "tiny-x", "lora_path": "random-lora:abc"})
     assert (malformed.status_code, malformed.json()["error"]["type"]) == (400, "BadRequestError")
+    # vLLM answers a 500 for this once its engine has tried the adapter.
+    too_big = change(lora_app.base_url, "load", {"lora_name": "tiny-x", "lora_path": str(peft_folder(tmp_path, r=16))})
+    assert (too_big.status_code, too_big.json()["error"]["param"]) == (400, "lora_path")
+    assert too_big.json()["error"]["message"].endswith("LoRA rank 16 is greater than max_lora_rank 8.")
     names = {card["id"] for card in httpx.get(f"{lora_app.api_url}/models", timeout=30).json()["data"]}
     assert names == {BASE, *CONFIGURED}
 
@@ -277,3 +281,41 @@ def test_apply_changes_configured_adapters_in_place_and_keeps_those_loaded_at_ru
     dropped = httpx.post(f"{lora_app.api_url}/completions", json={"model": "tiny-b", "prompt": "a", "max_tokens": 1},
                          timeout=60)
     assert dropped.status_code == 404 and dropped.json()["error"]["code"] == "model_not_found"
+
+
+def mismatched_adapter(path: Path) -> Path:
+    """A copy of a random adapter for the tiny model whose lora_B matrices have 3 rows too many: its config
+    passes every check, and only vLLM's engine finds that it does not fit the base."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from fleetserve.platform.lora_store import random_lora
+    from fleetserve.platform.model_store import resolve_source
+
+    shutil.copytree(random_lora(Path(resolve_source("tiny-random-llama")), 1), path)
+    weights = load_file(path / "adapter_model.safetensors")
+    save_file({name: torch.zeros(tensor.shape[0] + 3, tensor.shape[1]) if "lora_B" in name else tensor
+               for name, tensor in weights.items()}, path / "adapter_model.safetensors")
+    return path
+
+
+def test_a_configured_adapter_the_engine_refuses_stops_the_replica_starting_with_its_reason(served, tmp_path):
+    from ray import serve
+
+    from fleetserve.deployments.builders import build_app
+    from fleetserve.deployments.local_run import AppStartError, run_application
+    from fleetserve.platform.config import parse_config
+
+    config = parse_config({"models": [{
+        **model_entry("tiny-misfit"), "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]},
+        "lora": {"adapters": [{"name": "tiny-misfit-a", "source": str(mismatched_adapter(tmp_path / "a"))}],
+                 "max_lora_rank": 8}}]})
+    # Before, the replica started healthy and answered every request, the base model's included, with a 500.
+    try:
+        with pytest.raises(AppStartError, match=r"(?s)engine-tiny-misfit: .*models\[tiny-misfit\]: vLLM's OpenAI "
+                                                r"app did not build: .*size of tensor a \(128\) must match"):
+            run_application(build_app(config), "misfit", "/misfit")
+    finally:
+        serve.delete("misfit")

@@ -348,11 +348,11 @@ def _tokenize_body(endpoint: Endpoint, payload: dict[str, Any]) -> dict[str, Any
 class DecodeDeployment(KVTransferReplica, DecodeServer):
     """Ray Serve replica of a decode server; the ingress reaches it as the model's engine deployment."""
 
-    def __init__(self, model: ModelConfig, cpu_bindings: list[str] | None = None,
-                 model_path: str | None = None, metrics_hub: Any = None, prefill: Any = None,
-                 engine_cls: type[Engine] = Engine) -> None:
+    async def __init__(self, model: ModelConfig, cpu_bindings: list[str] | None = None,  # type: ignore[misc]
+                       model_path: str | None = None, metrics_hub: Any = None, prefill: Any = None,
+                       engine_cls: type[Engine] = Engine) -> None:
         config = model.pool_model("decode")
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, prefill_client=HandlePrefillClient(prefill), kv_transfer=self._kv_transfer(config),
                          replica_id=replica_id, cpu_binding=binding, model_path=model_path, engine_cls=engine_cls)
-        self._start_replica_tasks(metrics_hub)
+        await self._start_replica_tasks(metrics_hub)

@@ -145,10 +145,11 @@ class KVTransferReplica(ServeReplica):
 class PrefillDeployment(KVTransferReplica, PrefillServer):
     """Ray Serve replica of a prefill server; options from ``serve_options.deployment_options`` of its pool."""
 
-    def __init__(self, model: ModelConfig, cpu_bindings: list[str] | None = None,
-                 model_path: str | None = None, metrics_hub: Any = None, engine_cls: type[Engine] = Engine) -> None:
+    async def __init__(self, model: ModelConfig, cpu_bindings: list[str] | None = None,  # type: ignore[misc]
+                       model_path: str | None = None, metrics_hub: Any = None,
+                       engine_cls: type[Engine] = Engine) -> None:
         config = model.pool_model("prefill")
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, kv_transfer=self._kv_transfer(config), replica_id=replica_id,
                          cpu_binding=binding, model_path=model_path, engine_cls=engine_cls)
-        self._start_replica_tasks(metrics_hub)
+        await self._start_replica_tasks(metrics_hub)
