@@ -14,14 +14,16 @@ def plan_table(plans: list[ModelPlan], gpu_name: str, inputs: PlanInputs) -> Tab
     table = Table(title=f"capacity plan on {gpu_name} (${inputs.price_per_gpu_hour:.2f}/GPU-hour, "
                         f"{inputs.memory_utilization:.0%} of slice memory, {inputs.activation_reserve_bytes / GiB:.1f} "
                         f"GiB activation reserve)")
-    columns = ["model", "replicas", "params", "weights", "KV/token", "need", "slice", "max seqs",
-               "decode tok/s (1 / target)", "cold start", "$/1M out"]
+    with_lora = any(plan.lora_bytes_per_gpu for plan in plans)
+    columns = ["model", "replicas", "params", "weights", *(["LoRA/GPU"] if with_lora else []), "KV/token", "need",
+               "slice", "max seqs", "decode tok/s (1 / target)", "cold start", "$/1M out"]
     for column in columns:
         table.add_column(column, justify="left" if column in ("model", "slice") else "right")
     for plan in plans:
+        lora = [f"{plan.lora_bytes_per_gpu / 2**20:,.0f} MiB"] if with_lora else []
         table.add_row(plan.model, str(plan.replicas), f"{plan.num_params / 1e9:.2f} B", f"{plan.weight_bytes / GiB:.1f} GiB",
-                      f"{plan.kv_bytes_per_token / 1024:.0f} KiB", f"{plan.need_bytes / GiB:.1f} GiB", slice_text(plan),
-                      str(plan.max_concurrent_seqs),
+                      *lora, f"{plan.kv_bytes_per_token / 1024:.0f} KiB", f"{plan.need_bytes / GiB:.1f} GiB",
+                      slice_text(plan), str(plan.max_concurrent_seqs),
                       f"{plan.single_stream_tokens_per_s:,.0f} / {plan.decode_tokens_per_s:,.0f}",
                       f"{plan.cold_start_s:.0f} s", f"${plan.cost_per_million_output_tokens:.3f}")
     return table

@@ -5,8 +5,10 @@ The memory math, per model:
 * weight bytes: parameters (from the safetensors headers when present, else from the config's shape)
   times the bytes per parameter of the served dtype or quantization;
 * KV bytes per token: ``2 (K and V) x layers x kv_heads x head_dim x KV dtype bytes``;
-* need: weights + target concurrency x context length x KV bytes per token, which must fit in the
-  slice's usable memory (``memory x memory_utilization - activation_reserve``, as vLLM reserves it);
+* LoRA buffers (models with ``lora:``): vLLM allocates an A and a B matrix of ``max_lora_rank`` for each of
+  ``max_loras`` adapter slots in every projection, the embedding and the LM head, in the activation dtype;
+* need: weights + LoRA buffers + target concurrency x context length x KV bytes per token, which must fit in
+  the slice's usable memory (``memory x memory_utilization - activation_reserve``, as vLLM reserves it);
 * decode ceiling: every decode step reads the weights once and each sequence's KV, so at batch B and
   context C, tokens/s <= B x bandwidth / (weights + B x C x KV bytes per token);
 * cold start: weight bytes / load bandwidth + engine start-up;
@@ -56,6 +58,12 @@ class ModelShape:
     kv_dtype_bytes: int
     # Attention heads: a tensor-parallel size must divide them.
     num_heads: int = 1
+    # Widths the LoRA buffers are sized by: the residual stream, the MLP, the vocabulary.
+    hidden_size: int = 0
+    intermediate_size: int = 0
+    vocab_size: int = 0
+    # Bytes per activation element (the dtype vLLM's LoRA buffers take, lora_dtype auto).
+    activation_dtype_bytes: int = 2
 
     @property
     def weight_bytes(self) -> int:
@@ -70,6 +78,38 @@ class ModelShape:
         there are more ranks than KV heads (vLLM then copies each KV head to several ranks)."""
         heads = max(1, self.num_kv_heads // num_ranks)
         return 2 * self.num_layers * heads * self.head_dim * self.kv_dtype_bytes
+
+    def lora_bytes_per_rank(self, lora: LoraSlots | None, num_ranks: int = 1) -> int:
+        """One rank's LoRA buffers, as vLLM allocates them at start (vllm/lora/layers): per adapter slot, A
+        (rank x in) and B (out x rank) for q, k, v, o, gate, up and down in every layer, and for the embedding
+        and the LM head.
+
+        Over several ranks, column-parallel projections (q, k, v, gate, up) split B's rows, row-parallel ones
+        (o, down) A's columns, and the embedding's and LM head's stay whole (vLLM's default, not fully sharded
+        LoRA).
+        """
+        if lora is None:
+            return 0
+        hidden, inner = self.hidden_size, self.intermediate_size
+        q_width = self.num_heads * self.head_dim
+        kv_width = max(1, self.num_kv_heads // num_ranks) * self.head_dim * num_ranks
+        column = [(hidden, q_width), (hidden, kv_width), (hidden, kv_width), (hidden, inner), (hidden, inner)]
+        row = [(q_width, hidden), (inner, hidden)]
+        per_layer = (sum(width_in + width_out // num_ranks for width_in, width_out in column)
+                     + sum(width_in // num_ranks + width_out for width_in, width_out in row))
+        embedding_and_head = 2 * (self.vocab_size + hidden)
+        elements = (self.num_layers * per_layer + embedding_and_head) * lora.max_lora_rank * lora.max_loras
+        return elements * self.activation_dtype_bytes
+
+
+@dataclass(frozen=True)
+class LoraSlots:
+    """A model's LoRA limits, as its engine allocates buffers for them."""
+
+    # Adapters one step runs at once: the slots vLLM allocates buffers for.
+    max_loras: int
+    # The rank every slot's buffers are sized for.
+    max_lora_rank: int
 
 
 def params_from_config(config: dict[str, Any]) -> int:
@@ -151,7 +191,9 @@ def model_shape(name: str, folder: Path, dtype: str = "auto", quantization: str 
             num_heads=num_heads,
             head_dim=config.get("head_dim") or config["hidden_size"] // num_heads,
             bytes_per_param=_bytes_per_param(config, dtype, quantization),
-            kv_dtype_bytes=_dtype_bytes(config, dtype if kv_cache_dtype == "auto" else kv_cache_dtype))
+            kv_dtype_bytes=_dtype_bytes(config, dtype if kv_cache_dtype == "auto" else kv_cache_dtype),
+            hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
+            vocab_size=config["vocab_size"], activation_dtype_bytes=_dtype_bytes(config, dtype))
     except KeyError as error:
         raise PlanError(f"{name}: config.json lacks {error}; the planner handles Llama-family decoders") from None
 
@@ -209,7 +251,7 @@ class ModelPlan:
     num_params: int
     weight_bytes: int
     kv_bytes_per_token: int
-    # Weights + KV for the target concurrency at the context length.
+    # Weights + LoRA buffers + KV for the target concurrency at the context length.
     need_bytes: int
     # The smallest slice that fits ("gpu" for a whole GPU).
     slice: str
@@ -223,42 +265,48 @@ class ModelPlan:
     cost_per_million_output_tokens: float
     # GPUs one replica shards the model over (whole GPUs only); slice_usable_bytes is per GPU.
     tensor_parallel_size: int = 1
+    # LoRA buffers each GPU allocates for the model's adapter slots (0 without lora:).
+    lora_bytes_per_gpu: int = 0
 
     @property
     def kv_cache_bytes_per_gpu(self) -> int:
-        """What each GPU keeps for KV once its share of the weights is loaded (vLLM's kv_cache_memory_bytes)."""
-        return self.slice_usable_bytes - self.weight_bytes // self.tensor_parallel_size
+        """What each GPU keeps for KV once its share of the weights and its LoRA buffers are allocated (vLLM's
+        kv_cache_memory_bytes)."""
+        return self.slice_usable_bytes - self.weight_bytes // self.tensor_parallel_size - self.lora_bytes_per_gpu
 
 
-def _per_rank_need(shape: ModelShape, inputs: PlanInputs, num_ranks: int) -> float:
-    """One rank's bytes: its share of the weights and of the target KV."""
-    return (shape.weight_bytes / num_ranks
+def _per_rank_need(shape: ModelShape, inputs: PlanInputs, num_ranks: int, lora: LoraSlots | None) -> float:
+    """One rank's bytes: its share of the weights, of the LoRA buffers and of the target KV."""
+    return (shape.weight_bytes / num_ranks + shape.lora_bytes_per_rank(lora, num_ranks)
             + inputs.concurrency * inputs.context_len * shape.kv_bytes_per_token_per_rank(num_ranks))
 
 
-def _tensor_parallel_size(shape: ModelShape, whole_gpu: Slice, inputs: PlanInputs, at_least: int) -> int | None:
+def _tensor_parallel_size(shape: ModelShape, whole_gpu: Slice, inputs: PlanInputs, at_least: int,
+                          lora: LoraSlots | None) -> int | None:
     """The fewest GPUs of one node, ``at_least`` of them, a model shards over to fit (they must divide its
     attention heads)."""
     sizes = [at_least] + [ranks for ranks in TENSOR_PARALLEL_SIZES if ranks > at_least]
     return next((ranks for ranks in sizes if ranks > 1 and shape.num_heads % ranks == 0
-                 and _per_rank_need(shape, inputs, ranks) <= whole_gpu.usable_bytes(inputs)), None)
+                 and _per_rank_need(shape, inputs, ranks, lora) <= whole_gpu.usable_bytes(inputs)), None)
 
 
 def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, replicas: int = 1,
-               min_tensor_parallel_size: int = 1) -> ModelPlan:
+               min_tensor_parallel_size: int = 1, lora: LoraSlots | None = None) -> ModelPlan:
     """Places one model on the smallest slice that holds its weights and target KV; without MIG, a model no
     GPU holds is sharded over the fewest GPUs of one node that do (tensor parallelism).
 
     Args:
         min_tensor_parallel_size: the model's configured tensor-parallel size, which the plan keeps (or raises,
             where the model does not fit that way).
+        lora: the model's LoRA adapter slots, whose buffers take memory beside the weights; None without lora:.
 
     Raises:
         PlanError: when nothing fits, saying by how much the largest slice (or a whole node) misses; or a
             configured tensor-parallel size on MIG slices.
     """
     kv_needed = inputs.concurrency * inputs.context_len * shape.kv_bytes_per_token
-    need = shape.weight_bytes + kv_needed
+    lora_bytes = shape.lora_bytes_per_rank(lora)
+    need = shape.weight_bytes + lora_bytes + kv_needed
     candidates = slices(gpu, mig)
     if mig and min_tensor_parallel_size > 1:
         raise PlanError(f"{shape.name} sets tensor_parallel_size {min_tensor_parallel_size}, which needs whole GPUs "
@@ -267,7 +315,7 @@ def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, r
               if min_tensor_parallel_size == 1 else None)
     num_ranks = 1
     if chosen is None and not mig:
-        num_ranks = _tensor_parallel_size(shape, candidates[-1], inputs, min_tensor_parallel_size) or 0
+        num_ranks = _tensor_parallel_size(shape, candidates[-1], inputs, min_tensor_parallel_size, lora) or 0
         chosen = candidates[-1] if num_ranks else None
     if chosen is None:
         largest = candidates[-1]
@@ -276,14 +324,16 @@ def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, r
         hint = (" MIG slices cannot be combined (no tensor parallelism across MIG instances); plan it without --mig"
                 if mig else f" Nor does it fit sharded over up to {TENSOR_PARALLEL_SIZES[-1]} GPUs of one node "
                             f"(tensor parallel sizes dividing its {shape.num_heads} attention heads).")
+        adapters = f"{lora_bytes / GiB:.1f} GiB LoRA buffers + " if lora_bytes else ""
         raise PlanError(
-            f"{shape.name} needs {need / GiB:.1f} GiB ({shape.weight_bytes / GiB:.1f} GiB weights + "
+            f"{shape.name} needs {need / GiB:.1f} GiB ({shape.weight_bytes / GiB:.1f} GiB weights + {adapters}"
             f"{kv_needed / GiB:.1f} GiB KV for {inputs.concurrency} x {inputs.context_len} tokens); {where} "
             f"offers {usable / GiB:.1f} GiB usable: short by {(need - usable) / GiB:.1f} GiB.{hint}")
     usable = chosen.usable_bytes(inputs)
     rank_weights = shape.weight_bytes / num_ranks
+    rank_lora = shape.lora_bytes_per_rank(lora, num_ranks)
     rank_kv_per_seq = inputs.context_len * shape.kv_bytes_per_token_per_rank(num_ranks)
-    max_seqs = int((usable - rank_weights) // rank_kv_per_seq)
+    max_seqs = int((usable - rank_weights - rank_lora) // rank_kv_per_seq)
     batch = inputs.concurrency
     # Ranks read their shards side by side: a step takes one rank's bytes over one GPU's bandwidth (the
     # all-reduces between ranks are left out: these are ceilings).
@@ -293,7 +343,7 @@ def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, r
     cost = inputs.price_per_gpu_hour * chosen.gpu_share * num_ranks / (decode * 3600) * 1e6
     cold = shape.weight_bytes / inputs.load_bandwidth_bytes_per_s + inputs.startup_overhead_s
     return ModelPlan(shape.name, replicas, shape.num_params, shape.weight_bytes, shape.kv_bytes_per_token, need,
-                     chosen.name, int(usable), max_seqs, single, decode, cold, cost, num_ranks)
+                     chosen.name, int(usable), max_seqs, single, decode, cold, cost, num_ranks, rank_lora)
 
 
 @dataclass
@@ -370,7 +420,9 @@ def plan_config(config: PlatformConfig, gpu: GpuSpec, mig: bool, inputs: PlanInp
                             str(args.extra.get("kv_cache_dtype", "auto")))
         targets = replace(inputs, context_len=context_len or args.max_model_len or inputs.context_len,
                           concurrency=concurrency or args.max_num_seqs or inputs.concurrency)
-        plan = plan_model(shape, gpu, mig, targets, sum(_pool_replicas(model).values()), args.tensor_parallel_size)
+        lora = LoraSlots(model.lora.max_loras, model.lora.max_lora_rank) if model.lora is not None else None
+        plan = plan_model(shape, gpu, mig, targets, sum(_pool_replicas(model).values()), args.tensor_parallel_size,
+                          lora)
         if plan.tensor_parallel_size > 1 and model.disaggregation is not None:
             raise PlanError(f"{model.name} needs {plan.tensor_parallel_size} GPUs per replica (tensor parallelism), "
                             f"which disaggregated models do not support yet: serve it colocated")

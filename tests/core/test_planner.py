@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +15,7 @@ from fleetserve.platform.config import parse_config
 from fleetserve.ops.gpus import GPUS, gpu
 from fleetserve.ops.planner import (
     GiB,
+    LoraSlots,
     ModelPlan,
     PlanError,
     PlanInputs,
@@ -120,6 +123,48 @@ def test_a_model_no_gpu_holds_is_sharded_over_the_fewest_gpus_that_do(tmp_path, 
     assert (plan.kv_cache_bytes_per_gpu, plan.max_concurrent_seqs) == (kv_per_gpu, max_seqs)
     # A replica takes its GPUs whole: 2 replicas are 2 x ranks GPUs.
     assert len(pack([replace(plan, replicas=2)], gpu(gpu_name))) == 2 * ranks
+
+
+def test_lora_buffers_take_their_room_from_the_kv_cache(tmp_path):
+    shape = model_shape("llama-3-8b", folder(tmp_path, "l", LLAMA_3_8B))
+    # Per layer, (in + out) of q 4096+4096, k and v 4096+1024 each, gate and up 4096+14336 each, o 4096+4096,
+    # down 14336+4096 = 81,920; x 32 layers = 2,621,440; embedding and LM head 2 x (128,256 + 4,096) = 264,704;
+    # 2,886,144 x rank 64 x 4 slots x 2 bytes (bf16) = 1,477,705,728.
+    assert shape.lora_bytes_per_rank(LoraSlots(max_loras=4, max_lora_rank=64)) == 1_477_705_728
+    plan = plan_model(shape, gpu("h100-80gb"), True, INPUTS, lora=LoraSlots(max_loras=4, max_lora_rank=64))
+    # need 16,060,522,496 + 1,477,705,728 + 4,294,967,296 = 21,833,195,520: still 3g.40gb (34,926,258,176).
+    assert (plan.slice, plan.need_bytes, plan.lora_bytes_per_gpu) == ("3g.40gb", 21_833_195_520, 1_477_705_728)
+    # KV: 34,926,258,176 - 16,060,522,496 - 1,477,705,728 = 17,388,029,952 (18,865,735,680 without adapters),
+    # // (4096 x 131,072) = 32 sequences (35 without).
+    assert (plan.kv_cache_bytes_per_gpu, plan.max_concurrent_seqs) == (17_388_029_952, 32)
+
+
+def test_plan_config_sizes_lora_buffers_from_the_models_lora_section(tmp_path):
+    config = planned_models(tmp_path, llama=(LLAMA_3_8B, 1))
+    entry = config.models[0].model_dump(mode="json")
+    with_adapters = parse_config({"models": [{**entry, "lora": {"max_loras": 4, "max_lora_rank": 64}}]})
+    [plain] = plan_config(config, gpu("h100-80gb"), True, PlanInputs())
+    [adapted] = plan_config(with_adapters, gpu("h100-80gb"), True, PlanInputs())
+    # The chart's kv_cache_memory_bytes leaves the buffers their room: vLLM allocates them beside an explicit KV pool.
+    assert plain.kv_cache_bytes_per_gpu - adapted.kv_cache_bytes_per_gpu == 1_477_705_728
+
+
+@pytest.mark.slow
+def test_lora_buffers_are_the_bytes_vllm_allocates(tmp_path):
+    from fleetserve.platform.model_store import resolve_source
+
+    pytest.importorskip("vllm")
+    tiny = Path(resolve_source("tiny-random-llama"))
+    # Per layer, q 128+128, k and v 128+64 each, gate and up 128+256 each, o 128+128, down 256+128 = 2,048;
+    # x 2 layers = 4,096; embedding and LM head 2 x (2,048 + 128) = 4,352; 8,448 x rank 16 x 2 slots x 4 bytes.
+    expected = 8_448 * 16 * 2 * 4
+    assert model_shape("tiny", tiny, "float32").lora_bytes_per_rank(LoraSlots(2, 16)) == expected
+    script = Path(__file__).with_name("lora_buffer_bytes.py")
+    done = subprocess.run([sys.executable, str(script), str(tiny), "float32", "2", "16"], capture_output=True,
+                          text=True, timeout=300)
+    line = [line for line in done.stdout.splitlines() if line.startswith("LORA_BYTES ")]
+    assert done.returncode == 0 and line, done.stderr[-3000:]
+    assert int(line[0].split()[1]) == expected
 
 
 def test_kv_heads_are_split_between_ranks_and_copied_past_them(tmp_path):
