@@ -84,7 +84,7 @@ class EngineServer:
         # The model's LoRA adapters (None without lora:); the names the engine holds, for the router.
         self.adapters = ReplicaAdapters(path, model.lora.max_lora_rank) if model.lora is not None else None
         self.resident_adapter_names: list[str] = []
-        self.request_check = RequestCheck(self._chat_template(), model.schedules_by_priority)
+        self.request_check = RequestCheck(self._chat_template(), model.schedules_by_priority, _stores_responses())
         self._stall = StallWatch(model.stall_timeout_s) if model.stall_timeout_s is not None else None
 
     def _chat_template(self) -> str | None:
@@ -225,6 +225,12 @@ class EngineServer:
         if engine is not None:
             self.engine = None
             engine.shutdown()
+
+
+def _stores_responses() -> bool:
+    from fleetserve.platform.openai_app import responses_store_enabled
+
+    return responses_store_enabled()
 
 
 class ServeReplica:

@@ -112,9 +112,11 @@ class RequestCheck:
             ``priority``); its first-come-first-served scheduler ignores a request's priority.
     """
 
-    def __init__(self, chat_template: str | None, schedules_by_priority: bool = False) -> None:
+    def __init__(self, chat_template: str | None, schedules_by_priority: bool = False,
+                 stores_responses: bool = False) -> None:
         self._template_vars = template_variables(chat_template) if chat_template is not None else None
         self._schedules_by_priority = schedules_by_priority
+        self._stores_responses = stores_responses
 
     def unread(self, endpoint: Endpoint, payload: dict[str, Any]) -> list[UnreadParam]:
         """The parameters of ``payload`` that nothing would act on, in body order.
@@ -163,12 +165,20 @@ class RequestCheck:
             return None  # vLLM answers a body that is not JSON itself
         if not isinstance(payload, dict):
             return None
+        if endpoint is Endpoint.RESPONSES and payload.get("background") and self._stores_responses:
+            # Without the store vLLM refuses it itself; with it, the response is kept where no client can fetch it.
+            return _error("A background response is fetched with GET /v1/responses/{id}, which fleetserve cannot "
+                          "route to the engine replica that stores it; stream the response instead", "background")
         unread = self.unread(endpoint, payload)
         if not unread:
             return None
         paths = ", ".join(param.path for param in unread)
         dropped_by = " and ".join(dict.fromkeys(param.dropped_by for param in unread))
-        message = (f"Unsupported parameter(s): {paths}. {dropped_by} would ignore them for this model, so they "
-                   f"are refused rather than dropped; remove them, or send null for the default")
-        return json.dumps({"error": {"message": message, "type": "invalid_request_error",
-                                     "param": unread[0].path, "code": "unsupported_parameter"}}).encode()
+        return _error(f"Unsupported parameter(s): {paths}. {dropped_by} would ignore them for this model, so they "
+                      f"are refused rather than dropped; remove them, or send null for the default", unread[0].path)
+
+
+def _error(message: str, param: str) -> bytes:
+    """OpenAI error JSON for a 400 refusing ``param``."""
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": param,
+                                 "code": "unsupported_parameter"}}).encode()

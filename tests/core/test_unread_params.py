@@ -108,6 +108,21 @@ def test_refusal_is_openai_error_json_naming_the_first_parameter():
     assert error["message"].startswith("Unsupported parameter(s): audio, functions. vLLM would ignore them")
 
 
+@pytest.mark.parametrize(("stores_responses", "background", "refused"), [
+    (True, True, True),     # stored where no client can fetch it (GET /v1/responses/{id} is not routed)
+    (True, False, False),
+    (False, True, False),   # vLLM refuses it itself: background needs its response store
+])
+def test_a_background_response_is_refused_where_vllm_would_store_it(stores_responses, background, refused):
+    body = json.dumps({"model": "m", "input": "hi", "background": background}).encode()
+    refusal = RequestCheck(None, stores_responses=stores_responses).refusal(Endpoint.RESPONSES, body)
+    assert (refusal is not None) == refused
+    if refused:
+        error = json.loads(refusal)["error"]
+        assert (error["param"], error["code"]) == ("background", "unsupported_parameter")
+        assert error["message"].startswith("A background response is fetched with GET /v1/responses/{id}")
+
+
 def test_refusal_is_none_for_a_clean_or_non_json_body():
     check = RequestCheck(TEMPLATE)
     assert check.refusal(Endpoint.CHAT, json.dumps(chat()).encode()) is None

@@ -94,17 +94,12 @@ def test_which_requests_are_prefilled_remotely(endpoint, payload, remote):
     assert asyncio.run(Probe(256, 300)._prefills_remotely(request, {"model": "m", **payload})) is remote
 
 
-@pytest.mark.parametrize(("store_enabled", "remote"), [(False, False), (True, True)])
-def test_background_responses_go_remote_only_where_vllm_keeps_responses(monkeypatch, store_enabled, remote):
-    # Without the store vLLM refuses a background request: it runs on the decode replica, which refuses at once.
-    from fleetserve.deployments.disaggregated import decode_server
-
-    monkeypatch.setattr(decode_server, "responses_store_enabled", lambda: store_enabled)
+@pytest.mark.parametrize("store", [True, False, None])
+def test_background_responses_stay_on_the_decode_replica(store):
+    # Refused there at once: by vLLM without its response store, by the replica's request check with it.
     request = ApiRequest("r", Endpoint.RESPONSES, b"")
-    payload = {"model": "m", "input": "x", "background": True}
-    assert asyncio.run(Probe(256, 300)._prefills_remotely(request, payload)) is remote
-    # Background without store is refused by vLLM's request validation whatever the store: never remote.
-    assert asyncio.run(Probe(256, 300)._prefills_remotely(request, {**payload, "store": False})) is False
+    payload = {"model": "m", "input": "x", "background": True, **({} if store is None else {"store": store})}
+    assert asyncio.run(Probe(256, 300)._prefills_remotely(request, payload)) is False
 
 
 def test_prompts_below_min_prompt_tokens_stay_on_the_decode_replica():

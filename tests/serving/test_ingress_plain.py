@@ -132,6 +132,15 @@ async def test_unknown_paths_and_methods_get_openai_error_json(client, method, p
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
+@pytest.mark.parametrize(("method", "path"), [("GET", "/v1/responses/resp_1"), ("POST", "/v1/responses/resp_1/cancel")])
+async def test_stored_responses_get_a_404_saying_why(client, method, path):
+    response = await client.request(method, path)
+    error = response.json()["error"]
+    # Before, "Unknown path": as if the path were a typo, or the response lost.
+    assert (response.status_code, error["param"], error["code"]) == (404, "response_id", "stored_responses")
+    assert error["message"].startswith("Response 'resp_1' cannot be fetched or cancelled through fleetserve")
+
+
 async def test_models_and_health(client):
     assert (await client.get("/health")).json() == {"status": "ok"}
     models = (await client.get("/v1/models")).json()

@@ -37,7 +37,6 @@ from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, Re
 from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import Engine, EngineDeadError, EngineRequestError, dead_replica_id
 from fleetserve.platform.kv_transfer import KVTransferSpec
-from fleetserve.platform.openai_app import responses_store_enabled
 
 logger = logging.getLogger(__name__)
 
@@ -310,13 +309,13 @@ def _response_prefills_remotely(payload: dict[str, Any]) -> bool:
     """Whether a Responses request may be prefilled on another replica. Not when it continues a stored
     response or conversation (the store is this replica's, not the prefill replica's); not with built-in
     tools (several turns on one request would each pull the first turn's KV again); not in the background
-    unless it is stored and vLLM's store is on (else vLLM refuses it: at once here, rather than after a prefill
-    whose KV would wait out its lease)."""
+    (refused here at once, rather than after a prefill whose KV would wait out its lease: by vLLM without its
+    response store, by the replica's request check with it)."""
     if payload.get("previous_response_id") or payload.get("conversation"):
         return False
     if any(not isinstance(tool, dict) or tool.get("type") != "function" for tool in payload.get("tools") or []):
         return False
-    return not payload.get("background") or bool(payload.get("store", True) and responses_store_enabled())
+    return not payload.get("background")
 
 
 _TOKENIZE_KEYS = ("model", "messages", "prompt", "tools", "chat_template", "chat_template_kwargs",

@@ -207,6 +207,17 @@ class OpenAIIngress:
                 self.front_door.require_admin(principal)
             return Response(await self.metrics_exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+        @app.get("/v1/responses/{response_id}")
+        @app.post("/v1/responses/{response_id}/cancel")
+        async def stored_response(response_id: str) -> None:
+            # vLLM's paths, whose 404 without a reason would read as a response that was lost.
+            raise APIError(f"Response {response_id!r} cannot be fetched or cancelled through fleetserve: "
+                           f"vLLM keeps stored responses in the memory of the engine replica that answered "
+                           f"(with VLLM_ENABLE_RESPONSES_API_STORE=1), and this path names no model or replica "
+                           f"to send it to. Send the conversation's input in full instead of a "
+                           f"previous_response_id, and stream long responses rather than run them in the "
+                           f"background.", 404, "not_found_error", param="response_id", code="stored_responses")
+
         @app.get("/v1/models")
         async def models(raw: Request) -> dict[str, Any]:
             return {"object": "list", "data": await self._model_cards(getattr(raw.state, "principal", None))}
