@@ -292,8 +292,8 @@ def _tensor_parallel_size(shape: ModelShape, whole_gpu: Slice, inputs: PlanInput
 
 def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, replicas: int = 1,
                min_tensor_parallel_size: int = 1, lora: LoraSlots | None = None) -> ModelPlan:
-    """Places one model on the smallest slice that holds its weights and target KV; without MIG, a model no
-    GPU holds is sharded over the fewest GPUs of one node that do (tensor parallelism).
+    """Places one model on the smallest slice that holds its weights, LoRA buffers and target KV; without MIG,
+    a model no GPU holds is sharded over the fewest GPUs of one node that do (tensor parallelism).
 
     Args:
         min_tensor_parallel_size: the model's configured tensor-parallel size, which the plan keeps (or raises,
