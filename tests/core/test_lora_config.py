@@ -40,6 +40,7 @@ def test_a_configured_adapter_vllm_would_refuse_is_a_config_error_naming_it(tmp_
 @pytest.mark.parametrize(("data", "expected"), [
     (config({"adapters": [{"name": "a", "source": "x"}, {"name": "a", "source": "y"}]}), "adapters ['a'] appear twice"),
     (config({"max_loras": 4, "max_cpu_loras": 2}), "max_cpu_loras (2) must be at least max_loras (4)"),
+    (config({"max_lora_rank": 12}), "max_lora_rank 12 is not one vLLM takes: one of 1, 8, 16, 32, 64, 128, 256, 320"),
     (config({"adapters": [{"name": "base", "source": "x"}]}), "'base' is the base model's own name"),
     (config({}, routing={"prefix_source": "kv_events"}), "lora with routing.prefix_source kv_events"),
     (config({}, engine_args={"extra": {"max_loras": 3}}), "set LoRA limits in lora:"),
@@ -57,3 +58,14 @@ def test_tenants_may_name_adapters():
     parsed = parse_config({**config({"adapters": [{"name": "base-sql", "source": "x"}]}), "auth": {
         "tenants": {"a": {"models": ["base-sql"]}}, "api_keys": [{"sha256": "0" * 64, "tenant": "a"}]}})
     assert parsed.adapter_bases() == {"base-sql": "base"}
+
+
+def test_the_ranks_taken_are_vllms():
+    from typing import get_args
+
+    pytest.importorskip("vllm")
+    from vllm.config.lora import MaxLoRARanks
+
+    from fleetserve.platform.config.lora import MAX_LORA_RANKS
+
+    assert MAX_LORA_RANKS == get_args(MaxLoRARanks)

@@ -9,6 +9,11 @@ from pydantic import Field, model_validator
 from fleetserve.platform.config.base import ModelName, Strict
 
 
+# The ranks vLLM sizes adapter buffers for (vllm.config.lora.MaxLoRARanks; a test keeps the two equal), so a
+# config is refused here rather than by the engine once a replica starts.
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 class LoraAdapter(Strict):
     """One adapter, served as the model name ``name``."""
 
@@ -27,12 +32,15 @@ class LoraConfig(Strict):
     # Adapters one engine step can run at once (vLLM's max_loras): its GPU-resident adapter slots.
     max_loras: int = Field(default=1, ge=1)
     # Largest adapter rank the engine accepts (vLLM's max_lora_rank); it sizes the adapter buffers.
-    max_lora_rank: int = Field(default=16, ge=1)
+    max_lora_rank: int = 16
     # Adapters an engine keeps in host memory (vLLM's max_cpu_loras); None: vLLM's default (max_loras).
     max_cpu_loras: int | None = Field(default=None, ge=1)
 
     @model_validator(mode="after")
     def _check(self) -> LoraConfig:
+        if self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank {self.max_lora_rank} is not one vLLM takes: one of "
+                             f"{', '.join(map(str, MAX_LORA_RANKS))} (the smallest at least your adapters' rank)")
         names = [adapter.name for adapter in self.adapters]
         twice = sorted({name for name in names if names.count(name) > 1})
         if twice:
