@@ -207,6 +207,16 @@ class SimResult:
     slo_attainment: float
     # Times a replica ran out of KV and preempted a running request (which then recomputes).
     num_preemptions: int = 0
+    # Each request's arrival time, and whether it met both targets (in the same order).
+    arrivals_s: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    met_slo: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=bool))
+
+    def miss_share(self, bins: np.ndarray) -> np.ndarray:
+        """Share of the requests arriving in each window ``[bins[i], bins[i + 1])`` that missed a target; NaN
+        for a window with no arrivals."""
+        arrived, _ = np.histogram(self.arrivals_s, bins)
+        missed, _ = np.histogram(self.arrivals_s[~self.met_slo], bins)
+        return np.where(arrived > 0, missed / np.maximum(arrived, 1), math.nan)
 
     def summary(self) -> dict[str, float]:
         reasons: dict[str, int] = {}
@@ -351,4 +361,5 @@ def _result(name: str, requests: list[_Request], slo: SLO, replica_seconds: floa
     ttft_ok, tpot_ok = ttfts <= slo.ttft_s, tpots <= slo.tpot_s
     return SimResult(name, len(requests), float(ttft_ok.sum() / n), float(tpot_ok.sum() / n), replica_seconds,
                      ttfts, tpots, timeline, sum(r.finished_s is None for r in requests),
-                     float((ttft_ok & tpot_ok).sum() / n), num_preemptions)
+                     float((ttft_ok & tpot_ok).sum() / n), num_preemptions,
+                     np.array([r.spec.arrival_s for r in requests]), ttft_ok & tpot_ok)

@@ -130,14 +130,15 @@ def results_table(results: list[SimResult], slo: SLO) -> Table:
 
 
 def plot_timeline(results: list[SimResult], trace: list[TraceRequest], path: Path, title: str) -> None:
-    """Arrival rate, replicas, KV usage, queue and TTFT over time, one line per policy."""
+    """Arrival rate, replicas, KV usage, queue, TTFT and the share of arrivals that missed a target over time,
+    one line per policy."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
 
-    figure, axes = plt.subplots(5, 1, figsize=(10, 11), sharex=True)
+    figure, axes = plt.subplots(6, 1, figsize=(10, 13), sharex=True)
     arrivals = np.array([r.arrival_s for r in trace])
     horizon = max(p.time_s for result in results for p in result.timeline)
     bins = np.arange(0, horizon + 10, 10)
@@ -156,11 +157,14 @@ def plot_timeline(results: list[SimResult], trace: list[TraceRequest], path: Pat
         axes[3].plot(times, [p.num_queued for p in result.timeline], label=result.policy, linewidth=0.8)
         axes[4].plot(times, [p.ttft_s if p.ttft_s is not None else math.nan for p in result.timeline],
                      label=result.policy, linewidth=0.8)
-    for axis, label in zip(axes[1:], ["replicas", "mean KV usage", "queued requests", "median TTFT (s)"]):
+        # Where the misses fall, against the replicas above: what the attainment figure does not show.
+        axes[5].step(bins[:-1], 100 * result.miss_share(bins), where="post", label=result.policy, linewidth=0.8)
+    for axis, label in zip(axes[1:], ["replicas", "mean KV usage", "queued requests", "median TTFT (s)",
+                                      "missed an SLO (% of\narrivals per 10 s)"]):
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
     axes[4].set_yscale("log")
-    axes[4].set_xlabel("time (s)")
+    axes[5].set_xlabel("time (s)")
     axes[1].legend(loc="upper left", fontsize=8)
     axes[0].set_title(title)
     figure.tight_layout()

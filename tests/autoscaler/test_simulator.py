@@ -31,6 +31,21 @@ def test_one_request_prefills_then_decodes_one_token_per_step():
     assert result.tpots[0] == pytest.approx(0.011)
 
 
+def test_miss_share_is_per_window_of_arrivals():
+    import numpy as np
+
+    # Each request: a 600-token prefill of 0.16 s (as above); one replica serves them one at a time, so the
+    # third, arriving with two ahead of it, waits 0.32 s and misses a 0.4 s TTFT target (0.48 s); the fourth,
+    # alone 2 s later, meets it.
+    trace = [TraceRequest(0.0, 600, 1), TraceRequest(0.0, 600, 1), TraceRequest(0.0, 600, 1), TraceRequest(2.0, 600, 1)]
+    result = simulate(trace, fixed(1), PROFILE.model_copy(update={"max_num_batched_tokens": 600}),
+                      SLO(ttft_s=0.4, tpot_s=1.0))
+    assert result.met_slo.tolist() == [True, True, False, True]
+    # Windows [0, 1), [1, 2), [2, 3): 1 of 3 missed, no arrivals, 0 of 1.
+    share = result.miss_share(np.array([0.0, 1.0, 2.0, 3.0]))
+    assert share[0] == pytest.approx(1 / 3) and np.isnan(share[1]) and share[2] == 0.0
+
+
 class Recording:
     """Holds one replica and keeps every observation."""
 
