@@ -32,6 +32,7 @@ from fleetserve.platform.engine import Engine, EngineDeadError
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics, StartupPhase
 from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.openai_app import responses_store_enabled
 from fleetserve.platform.progress import CALL_PROGRESS, CallProgress
 from fleetserve.platform.relay import relay, request_headers
 from fleetserve.platform.replica_adapters import ReplicaAdapters
@@ -84,7 +85,7 @@ class EngineServer:
         # The model's LoRA adapters (None without lora:); the names the engine holds, for the router.
         self.adapters = ReplicaAdapters(path, model.lora.max_lora_rank) if model.lora is not None else None
         self.resident_adapter_names: list[str] = []
-        self.request_check = RequestCheck(self._chat_template(), model.schedules_by_priority, _stores_responses())
+        self.request_check = RequestCheck(self._chat_template(), model.schedules_by_priority, responses_store_enabled())
         self._stall = StallWatch(model.stall_timeout_s) if model.stall_timeout_s is not None else None
 
     def _chat_template(self) -> str | None:
@@ -225,12 +226,6 @@ class EngineServer:
         if engine is not None:
             self.engine = None
             engine.shutdown()
-
-
-def _stores_responses() -> bool:
-    from fleetserve.platform.openai_app import responses_store_enabled
-
-    return responses_store_enabled()
 
 
 class ServeReplica:
