@@ -149,22 +149,26 @@ def test_plan_config_sizes_lora_buffers_from_the_models_lora_section(tmp_path):
     assert plain.kv_cache_bytes_per_gpu - adapted.kv_cache_bytes_per_gpu == 1_477_705_728
 
 
+# The tiny Llama: hidden 128, 2 heads of 64 and 1 KV head, MLP 256, vocab 2,048, 2 layers; rank 16 x 2 slots x 4 bytes.
+# One rank, per layer: q 128+128, k and v 128+64 each, gate and up 128+256 each, o 128+128, down 256+128 = 2,048;
+# x 2 layers = 4,096; embedding and LM head 2 x (2,048 + 128) = 4,352; 8,448 elements per rank of one slot.
+# Two ranks, per layer: q's B halved 128+64, the one KV head copied to both ranks so k and v stay 128+64, gate and
+# up 128+128, o's A halved 64+128, down's A halved 128+128 = 1,536; x 2 = 3,072, + 4,352 (whole) = 7,424.
 @pytest.mark.slow
-def test_lora_buffers_are_the_bytes_vllm_allocates(tmp_path):
+@pytest.mark.parametrize(("num_ranks", "elements"), [(1, 8_448), (2, 7_424)])
+def test_lora_buffers_are_the_bytes_vllm_allocates_on_each_rank(num_ranks, elements):
     from fleetserve.platform.model_store import resolve_source
 
     pytest.importorskip("vllm")
     tiny = Path(resolve_source("tiny-random-llama"))
-    # Per layer, q 128+128, k and v 128+64 each, gate and up 128+256 each, o 128+128, down 256+128 = 2,048;
-    # x 2 layers = 4,096; embedding and LM head 2 x (2,048 + 128) = 4,352; 8,448 x rank 16 x 2 slots x 4 bytes.
-    expected = 8_448 * 16 * 2 * 4
-    assert model_shape("tiny", tiny, "float32").lora_bytes_per_rank(LoraSlots(2, 16)) == expected
+    expected = elements * 16 * 2 * 4
+    assert model_shape("tiny", tiny, "float32").lora_bytes_per_rank(LoraSlots(2, 16), num_ranks) == expected
     script = Path(__file__).with_name("lora_buffer_bytes.py")
-    done = subprocess.run([sys.executable, str(script), str(tiny), "float32", "2", "16"], capture_output=True,
-                          text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), str(tiny), "float32", "2", "16", str(num_ranks)],
+                          capture_output=True, text=True, timeout=300)
     line = [line for line in done.stdout.splitlines() if line.startswith("LORA_BYTES ")]
     assert done.returncode == 0 and line, done.stderr[-3000:]
-    assert int(line[0].split()[1]) == expected
+    assert [int(count) for count in line[0].split()[1:]] == [expected] * num_ranks
 
 
 def test_kv_heads_are_split_between_ranks_and_copied_past_them(tmp_path):
