@@ -94,9 +94,12 @@ def build_payload(spec: RequestSpec, api: Api, model: str, ignore_eos: bool) -> 
         payload["stream_options"] = {"include_usage": True}
     if ignore_eos:
         payload["ignore_eos"] = True
-    if spec.group_id is not None and api != "messages":
-        # OpenAI's end-user field: one "conversation" per prefix group, for session-affinity routing.
-        payload["user"] = f"group-{spec.group_id}"
+    if spec.group_id is not None:
+        # The end-user field (Anthropic's in metadata): one "conversation" per prefix group, for session affinity.
+        if api == "messages":
+            payload["metadata"] = {"user_id": f"group-{spec.group_id}"}
+        else:
+            payload["user"] = f"group-{spec.group_id}"
     if api == "completions":
         payload["prompt"] = spec.prompt
     elif api == "responses":

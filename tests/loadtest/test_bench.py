@@ -381,3 +381,14 @@ def test_bench_refuses_ignore_eos_where_the_api_has_none(tmp_path):
                               "--model", "tiny", "--api", "messages", "--ignore-eos"],
                              capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "the messages API has no ignore_eos" in refused.stderr
+
+
+@pytest.mark.parametrize(("api", "field"), [("chat", {"user": "group-3"}), ("completions", {"user": "group-3"}),
+                                            ("responses", {"user": "group-3"}),
+                                            ("messages", {"metadata": {"user_id": "group-3"}})])
+def test_a_prefix_group_names_its_session_in_each_apis_end_user_field(api, field):
+    from fleetserve.loadtest.client import build_payload
+
+    payload = build_payload(datasets.RequestSpec("p", 1, 4, group_id=3), api, "m", ignore_eos=False)
+    assert {key: payload[key] for key in field} == field
+    assert ("user" in payload) == (api != "messages")

@@ -72,7 +72,10 @@ class RequestFields:
             # vLLM's prefix cache is per adapter: the same prompt under another adapter shares no blocks.
             text = f"<lora:{adapter}>{text}"
         # OpenAI's prompt_cache_key exists to keep one prefix on one cache: it keys affinity, before `user`.
-        keys = (self.payload.get("prompt_cache_key"), self.payload.get("user"))
+        # Anthropic's clients name their end user (Claude Code: its session) in metadata.user_id.
+        metadata = self.payload.get("metadata")
+        anthropic_user = metadata.get("user_id") if isinstance(metadata, dict) else None
+        keys = (self.payload.get("prompt_cache_key"), self.payload.get("user"), anthropic_user)
         session = session_id or next((key for key in keys if isinstance(key, str) and key), None)
         return RoutingHints(text, session, self.messages, self.prompt, adapter)
 
