@@ -85,8 +85,8 @@ class ModelShape:
         and the LM head.
 
         Over several ranks, column-parallel projections (q, k, v, gate, up) split B's rows, row-parallel ones
-        (o, down) A's columns, and the embedding's and LM head's stay whole (vLLM's default, not fully sharded
-        LoRA).
+        (o, down) A's columns, and the embedding's and LM head's stay whole. With ``fully_sharded`` the ranks
+        also split column-parallel A's rank and row-parallel B's rows.
         """
         if lora is None:
             return 0
@@ -95,8 +95,10 @@ class ModelShape:
         kv_width = max(1, self.num_kv_heads // num_ranks) * self.head_dim * num_ranks
         column = [(hidden, q_width), (hidden, kv_width), (hidden, kv_width), (hidden, inner), (hidden, inner)]
         row = [(q_width, hidden), (inner, hidden)]
-        per_layer = (sum(width_in + width_out // num_ranks for width_in, width_out in column)
-                     + sum(width_in // num_ranks + width_out for width_in, width_out in row))
+        # In units of one rank's column: A is rank x in, B is out x rank.
+        shared = num_ranks if lora.fully_sharded else 1
+        per_layer = (sum(width_in // shared + width_out // num_ranks for width_in, width_out in column)
+                     + sum(width_in // num_ranks + width_out // shared for width_in, width_out in row))
         embedding_and_head = 2 * (self.vocab_size + hidden)
         elements = (self.num_layers * per_layer + embedding_and_head) * lora.max_lora_rank * lora.max_loras
         return elements * self.activation_dtype_bytes
@@ -110,6 +112,8 @@ class LoraSlots:
     max_loras: int
     # The rank every slot's buffers are sized for.
     max_lora_rank: int
+    # vLLM's fully_sharded_loras: tensor-parallel ranks also split the parts of A and B they keep whole by default.
+    fully_sharded: bool = False
 
 
 def params_from_config(config: dict[str, Any]) -> int:
@@ -420,7 +424,8 @@ def plan_config(config: PlatformConfig, gpu: GpuSpec, mig: bool, inputs: PlanInp
                             str(args.extra.get("kv_cache_dtype", "auto")))
         targets = replace(inputs, context_len=context_len or args.max_model_len or inputs.context_len,
                           concurrency=concurrency or args.max_num_seqs or inputs.concurrency)
-        lora = LoraSlots(model.lora.max_loras, model.lora.max_lora_rank) if model.lora is not None else None
+        lora = None if model.lora is None else LoraSlots(model.lora.max_loras, model.lora.max_lora_rank,
+                                                         bool(args.extra.get("fully_sharded_loras", False)))
         plan = plan_model(shape, gpu, mig, targets, sum(_pool_replicas(model).values()), args.tensor_parallel_size,
                           lora)
         if plan.tensor_parallel_size > 1 and model.disaggregation is not None:

@@ -149,23 +149,40 @@ def test_plan_config_sizes_lora_buffers_from_the_models_lora_section(tmp_path):
     assert plain.kv_cache_bytes_per_gpu - adapted.kv_cache_bytes_per_gpu == 1_477_705_728
 
 
+def test_plan_config_reads_fully_sharded_loras_from_the_engine_args(tmp_path):
+    config = planned_models(tmp_path, llama=(LLAMA_3_8B, 1))
+    entry = config.models[0].model_dump(mode="json")
+    lora = {"max_loras": 4, "max_lora_rank": 64}
+    engine_args = {**entry["engine_args"], "tensor_parallel_size": 2}
+    default, sharded = (plan_config(parse_config({"models": [{**entry, "lora": lora, "engine_args": {
+        **engine_args, "extra": extra}}]}), gpu("h100-80gb"), False, PlanInputs())[0]
+        for extra in ({}, {"fully_sharded_loras": True}))
+    # Per layer, two ranks also halve A in q, k, v, gate, up (5 x 4,096 / 2) and B in o, down (2 x 4,096 / 2):
+    # 14,336 fewer; x 32 layers x rank 64 x 4 slots x 2 bytes = 234,881,024 bytes less on each GPU.
+    assert default.lora_bytes_per_gpu - sharded.lora_bytes_per_gpu == 234_881_024
+
+
 # The tiny Llama: hidden 128, 2 heads of 64 and 1 KV head, MLP 256, vocab 2,048, 2 layers; rank 16 x 2 slots x 4 bytes.
 # One rank, per layer: q 128+128, k and v 128+64 each, gate and up 128+256 each, o 128+128, down 256+128 = 2,048;
 # x 2 layers = 4,096; embedding and LM head 2 x (2,048 + 128) = 4,352; 8,448 elements per rank of one slot.
 # Two ranks, per layer: q's B halved 128+64, the one KV head copied to both ranks so k and v stay 128+64, gate and
 # up 128+128, o's A halved 64+128, down's A halved 128+128 = 1,536; x 2 = 3,072, + 4,352 (whole) = 7,424.
+# Fully sharded, two ranks also halve A in q, k, v, gate, up (5 x 64 fewer) and B in o, down (2 x 64 fewer):
+# 1,536 - 448 = 1,088 per layer; x 2 = 2,176, + 4,352 = 6,528.
 @pytest.mark.slow
-@pytest.mark.parametrize(("num_ranks", "elements"), [(1, 8_448), (2, 7_424)])
-def test_lora_buffers_are_the_bytes_vllm_allocates_on_each_rank(num_ranks, elements):
+@pytest.mark.parametrize(("num_ranks", "fully_sharded", "elements"), [(1, False, 8_448), (2, False, 7_424),
+                                                                      (2, True, 6_528)])
+def test_lora_buffers_are_the_bytes_vllm_allocates_on_each_rank(num_ranks, fully_sharded, elements):
     from fleetserve.platform.model_store import resolve_source
 
     pytest.importorskip("vllm")
     tiny = Path(resolve_source("tiny-random-llama"))
     expected = elements * 16 * 2 * 4
-    assert model_shape("tiny", tiny, "float32").lora_bytes_per_rank(LoraSlots(2, 16), num_ranks) == expected
+    slots = LoraSlots(2, 16, fully_sharded)
+    assert model_shape("tiny", tiny, "float32").lora_bytes_per_rank(slots, num_ranks) == expected
     script = Path(__file__).with_name("lora_buffer_bytes.py")
-    done = subprocess.run([sys.executable, str(script), str(tiny), "float32", "2", "16", str(num_ranks)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(script), str(tiny), "float32", "2", "16", str(num_ranks),
+                           *(["fully_sharded"] if fully_sharded else [])], capture_output=True, text=True, timeout=300)
     line = [line for line in done.stdout.splitlines() if line.startswith("LORA_BYTES ")]
     assert done.returncode == 0 and line, done.stderr[-3000:]
     assert [int(count) for count in line[0].split()[1:]] == [expected] * num_ranks
