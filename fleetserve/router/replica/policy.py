@@ -57,7 +57,8 @@ class ReplicaPolicy(Protocol):
         Args:
             text: the routing key: the prompt's text, or its token ids when keyed by the engines' KV events.
             replicas: every live replica's load, as the router sees it now.
-            session_id: the request's session (x-session-id, ``prompt_cache_key`` or ``user``), for session affinity.
+            session_id: the request's session (x-session-id, ``prompt_cache_key``, ``user`` or Anthropic's
+                ``metadata.user_id``), for session affinity.
             adapter: the LoRA adapter the request asks for; None for the base model.
 
         Raises:
