@@ -33,7 +33,8 @@ def cpu_bindings_per_deployment(config: PlatformConfig, num_cores: int | None = 
     pools = [model.pool_model(pool) for model in config.models for pool in model.pools()]
     auto = [pool for pool in pools if pool.resources.cpu_binding is None and not pool.resources.num_gpus]
     # Each tensor-parallel rank is a worker of its own: it gets a share of the cores as an engine would.
-    plan = iter(plan_cpu_binding(sum(pool.replicas * pool.engine_args.tensor_parallel_size for pool in auto),
+    # A pool that starts at zero still gets cores for the replica that wakes it.
+    plan = iter(plan_cpu_binding(sum(max(pool.replicas, 1) * pool.engine_args.tensor_parallel_size for pool in auto),
                                  num_cores))
     bindings: dict[str, list[str] | None] = {}
     for pool in pools:
@@ -44,7 +45,7 @@ def cpu_bindings_per_deployment(config: PlatformConfig, num_cores: int | None = 
         else:
             num_ranks = pool.engine_args.tensor_parallel_size
             bindings[deployment_name(pool)] = ["|".join(next(plan) for _ in range(num_ranks))
-                                               for _ in range(pool.replicas)]
+                                               for _ in range(max(pool.replicas, 1))]
     return bindings
 
 

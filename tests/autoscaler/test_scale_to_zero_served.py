@@ -1,5 +1,6 @@
-"""A pool with min_replicas 0 on a real Serve deployment: idle takes it to zero, held requests wake it, and
-requests past the hold limit get a 503 with Retry-After at once."""
+"""A pool with min_replicas 0 on a real Serve deployment: it starts at zero (replicas: 0), a request wakes it,
+idle takes it back to zero, held requests wake it, and requests past the hold limit get a 503 with Retry-After
+at once."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def zero_app(served):
     from fleetserve.platform.config import parse_config
 
     config = parse_config({"models": [{**model_entry(MODEL), "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]},
-                                       "autoscaling": {
+                                       "replicas": 0, "autoscaling": {
                                            "policy": "kv_cache", "min_replicas": 0, "max_replicas": 1,
                                            "idle_to_zero_s": 3, "scale_down_cooldown_s": 0,
                                            "downscale_stabilization_s": 0, "decision_period_s": 0.5,
@@ -49,10 +50,18 @@ def reporting_replicas(url: str) -> int:
 
 
 
+def cold_starts(url: str) -> int:
+    found = re.search(rf'fleetserve_cold_start_seconds_count{{model="{MODEL}"}} ([0-9.]+)',
+                      httpx.get(f"{url}/metrics", timeout=10).text)
+    return int(float(found.group(1))) if found else 0
+
+
 def test_a_pool_at_zero_wakes_for_held_requests_and_goes_back_to_zero(zero_app):
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 4}
-    # While the first replica is up: a request starts the ingress's reading of engine load.
-    assert httpx.post(f"{zero_app}/v1/completions", json=body, timeout=120).status_code == 200
+    # Deployed with replicas: 0, the pool starts no engine; the first request wakes it (and starts the ingress's
+    # reading of engine load).
+    assert running_replicas() == 0
+    assert httpx.post(f"{zero_app}/v1/completions", json=body, timeout=240).status_code == 200
     wait_for(lambda: running_replicas() == 0, 180, "idle to take the pool to zero")
     wait_for(lambda: reporting_replicas(zero_app) == 0, 30, "the ingress to see no replica")
     time.sleep(1)  # two of the ingress's load readings (every 0.5 s)
@@ -66,6 +75,7 @@ def test_a_pool_at_zero_wakes_for_held_requests_and_goes_back_to_zero(zero_app):
                 await asyncio.sleep(0.2)  # arrival order
             return await asyncio.gather(*tasks)
 
+    num_cold_starts = cold_starts(zero_app)
     started = time.monotonic()
     responses = asyncio.run(burst())
     cold_start_s = time.monotonic() - started
@@ -74,8 +84,8 @@ def test_a_pool_at_zero_wakes_for_held_requests_and_goes_back_to_zero(zero_app):
     for refused in responses[MAX_HELD:]:
         assert refused.json()["error"]["code"] == "cold_start_full"
         assert int(refused.headers["retry-after"]) >= 1
+    assert cold_starts(zero_app) == num_cold_starts + 1, cold_start_s
     text = httpx.get(f"{zero_app}/metrics", timeout=10).text
-    assert re.search(rf'fleetserve_cold_start_seconds_count{{model="{MODEL}"}} 1\.0', text), cold_start_s
     assert re.search(rf'fleetserve_admission_rejections_total{{bound="cold_start_full",model="{MODEL}"}} 2\.0', text)
     assert running_replicas() == 1
     wait_for(lambda: running_replicas() == 0, 180, "idle to take the pool back to zero")

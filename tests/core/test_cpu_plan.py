@@ -59,3 +59,10 @@ def test_each_tensor_parallel_rank_gets_its_own_cores():
 ])
 def test_one_binding_splits_between_ranks(binding, num_ranks, expected):
     assert split_binding(binding, num_ranks) == expected
+
+
+def test_a_pool_that_starts_at_zero_has_cores_for_the_replica_that_wakes_it():
+    zero = {"replicas": 0, "autoscaling": {"policy": "kv_cache", "min_replicas": 0, "max_replicas": 2}}
+    config = parse_config({"models": [{"name": "z", "source": "x", **zero}, {"name": "c", "source": "x"}]})
+    # z counts as one engine beside c: 2 engines on 4 cores -> 2 cores each.
+    assert cpu_bindings_per_deployment(config, num_cores=4) == {"engine-z": ["0-1"], "engine-c": ["2-3"]}

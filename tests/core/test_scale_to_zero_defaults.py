@@ -27,3 +27,21 @@ def test_a_pool_at_zero_on_cpu_runs_eagerly():
 def test_the_default_leaves_other_pools_and_explicit_choices_alone(config, on_cpu):
     kwargs = config.engine_kwargs()
     assert scale_to_zero_defaults(config, kwargs, on_cpu=on_cpu) == kwargs
+
+
+def test_a_pool_that_scales_to_zero_may_start_there():
+    from fleetserve.deployments.serve_options import autoscaling_config
+
+    config = parse_config({"models": [{"name": "m", "source": "tiny-random-llama", "replicas": 0, "autoscaling": {
+        "policy": "kv_cache", "min_replicas": 0, "max_replicas": 2}}]}).models[0]
+    assert autoscaling_config(config.autoscaling, config.replicas, config.name)["initial_replicas"] == 0
+
+
+@pytest.mark.parametrize("autoscaling", [{}, {"autoscaling": {"policy": "kv_cache", "min_replicas": 1,
+                                                              "max_replicas": 2}}], ids=["fixed", "min-one"])
+def test_starting_at_zero_is_refused_where_nothing_would_wake_the_pool(autoscaling):
+    from fleetserve.platform.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"models\.0: .*replicas: 0 starts the model with no replica, which only a "
+                                          r"pool that scales to zero wakes from"):
+        parse_config({"models": [{"name": "m", "source": "tiny-random-llama", "replicas": 0, **autoscaling}]})

@@ -29,8 +29,8 @@ class ModelConfig(Strict):
     name: ModelName
     # A local HF folder, a .gguf file, or a packaged model id (see ``fleetserve.platform.model_store``).
     source: str
-    # Replicas to run (the initial count when autoscaling is set).
-    replicas: int = Field(default=1, ge=1)
+    # Replicas to run (the initial count when autoscaling is set; 0 starts a pool that scales to zero there).
+    replicas: int = Field(default=1, ge=0)
     # Replica autoscaling; None keeps ``replicas`` fixed.
     autoscaling: AutoscalingConfig | None = None
     engine_args: EngineArgs = Field(default_factory=EngineArgs)
@@ -52,6 +52,13 @@ class ModelConfig(Strict):
     lora: LoraConfig | None = None
     # Which pool this config describes; set by pool_model() for a disaggregated model's pools.
     _pool: str = PrivateAttr(default="colocated")
+
+    @model_validator(mode="after")
+    def _check_start_at_zero(self) -> ModelConfig:
+        if self.replicas == 0 and (self.autoscaling is None or self.autoscaling.min_replicas > 0):
+            raise ValueError("replicas: 0 starts the model with no replica, which only a pool that scales to zero "
+                             "wakes from: set autoscaling.min_replicas: 0, or replicas of 1 or more")
+        return self
 
     @model_validator(mode="after")
     def _check_kv_events(self) -> ModelConfig:
