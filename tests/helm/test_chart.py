@@ -292,12 +292,26 @@ def test_every_pod_takes_serves_fast_path_as_the_platform_config_says(server):
     ({"replicaCount": 3}, "additional properties 'replicaCount' not allowed"),
     ({"platform": {"models": []}}, "/platform/models"),
     ({"platform": {"models": [{"name": "org//llama", "source": "x"}]}}, "/platform/models/0/name"),
+    ({"platform": {"models": [{"name": "m", "source": "x", "replicas": -1}]}}, "/platform/models/0/replicas"),
     ({"modelCache": {"hostPath": "cache"}}, "/modelCache/hostPath"),
     ({"extraVolumeMounts": [{"name": "routers", "mountPath": "models"}]}, "/extraVolumeMounts/0/mountPath"),
 ])
 def test_invalid_values_are_rejected_with_the_key_path(values, message):
     with pytest.raises(helm.HelmValuesError, match=message):
         render(values)
+
+
+def test_a_model_that_starts_at_zero_renders_with_no_initial_replica():
+    zero = {"name": "m", "source": "x", "replicas": 0,
+            "autoscaling": {"policy": "kv_cache", "min_replicas": 0, "max_replicas": 2}}
+    service = find(render({"workerGroups": {"colocated-3g-40gb": MIG_GROUP}, "platform": {"models": [zero]}}),
+                   "RayService")
+    from fleetserve.platform.config import parse_config
+
+    [application] = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    # The platform config reaches the app builder as given; fleetserve's own validation takes replicas 0 with it.
+    assert application["args"]["platform"]["models"] == [zero]
+    assert parse_config(application["args"]["platform"]).models[0].replicas == 0
 
 
 def test_a_mig_group_cannot_take_several_gpus_per_pod():
