@@ -24,10 +24,16 @@ class Scrape:
     counters: dict[ReplicaKey, dict[str, float]] = field(default_factory=lambda: defaultdict(dict))
     # The Ray node id each replica runs on (from fleetserve_replica_node_info).
     nodes: dict[ReplicaKey, str] = field(default_factory=dict)
+    # Replicas per served (model, pool), as the ingress counts them: 0 for a pool at zero.
+    pool_replicas: dict[tuple[str, str], int] = field(default_factory=dict)
+    # Requests held at the ingress while a model's pool wakes from zero.
+    held: dict[str, int] = field(default_factory=dict)
 
 
 _GAUGES = {"vllm:kv_cache_usage_perc", "vllm:num_requests_running", "vllm:num_requests_waiting"}
 _NODE_INFO = "fleetserve_replica_node_info"
+_POOL_REPLICAS = "fleetserve_replicas"
+_HELD = "fleetserve_held_requests"
 _COUNTERS = {"vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
              "vllm:prefix_cache_queries_total", "vllm:request_success_total"}
 
@@ -40,6 +46,10 @@ def parse_metrics(text: str, taken_at: float) -> Scrape:
             key = (labels.get("model_name", "?"), labels.get("pool", "?"), labels.get("replica", "?"))
             if sample.name == _NODE_INFO:
                 scrape.nodes[key] = labels.get("node_id", "?")
+            if sample.name == _POOL_REPLICAS:
+                scrape.pool_replicas[(labels.get("model", "?"), labels.get("pool", "?"))] = int(sample.value)
+            if sample.name == _HELD:
+                scrape.held[labels.get("model", "?")] = int(sample.value)
             if sample.name not in _GAUGES and sample.name not in _COUNTERS:
                 continue
             target = scrape.gauges if sample.name in _GAUGES else scrape.counters
@@ -81,9 +91,8 @@ def status_table(before: Scrape, after: Scrape, url: str) -> Table:
                       f"{gauges.get('vllm:num_requests_waiting', 0.0):.0f}",
                       f"{rate('vllm:generation_tokens_total'):.1f}", f"{rate('vllm:prompt_tokens_total'):.1f}",
                       hit, f"{now.get('vllm:request_success_total', 0.0):.0f}")
-    if not keys:
-        table.caption = "no engine replicas are reporting yet"
-    else:
-        table.caption = "  ".join(f"{model}: {count} replica{'s' if count > 1 else ''}"
-                                  for model, count in sorted(replicas_per_model.items()))
+    at_zero = sorted({model for (model, _), count in after.pool_replicas.items() if count == 0} - set(replicas_per_model))
+    parts = [f"{model}: {count} replica{'s' if count > 1 else ''}" for model, count in sorted(replicas_per_model.items())]
+    parts += [f"{model}: at zero" + (f", {after.held[model]} held" if after.held.get(model) else "") for model in at_zero]
+    table.caption = "  ".join(parts) if parts else "no engine replicas are reporting yet"
     return table

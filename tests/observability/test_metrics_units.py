@@ -94,6 +94,16 @@ def test_status_table_without_node_info_shows_a_dash():
     assert [column._cells[0] for column in status_table(scrape, scrape, "x").columns][3] == "-"
 
 
+def test_status_names_models_at_zero_and_their_held_requests():
+    ingress = IngressMetrics()
+    for model, count in (("busy", 1), ("idle", 0), ("waking", 0)):
+        ingress.replicas.labels(model, "colocated").set(count)
+    ingress.held.labels("waking").set(2)
+    busy = EngineMetrics("busy", "r0")
+    scrape = parse_metrics(merge_expositions([ingress.exposition(), busy.exposition()]).decode(), taken_at=1.0)
+    assert status_table(scrape, scrape, "x").caption == "busy: 1 replica  idle: at zero  waking: at zero, 2 held"
+
+
 def test_status_once_into_a_pipe_prints_whole_cells(monkeypatch):
     from typer.testing import CliRunner
 
@@ -180,3 +190,27 @@ async def test_metrics_answer_without_the_engines_when_the_hub_hangs(monkeypatch
     assert samples(hung.content)[("fleetserve_scrapes_without_engines_total", ())] == 1.0
     assert samples(answered.content)[("vllm:num_requests_running",
                                       (("model_name", "m"), ("pool", "colocated"), ("replica", "r0")))] == 2.0
+
+
+async def test_every_served_pool_has_a_replica_count_zero_included():
+    import httpx
+
+    from fleetserve.deployments.ingress import server as ingress_server
+    from fleetserve.platform.config import parse_config
+
+    config = parse_config({"models": [
+        {"name": "up", "source": "x"},
+        {"name": "idle", "source": "x", "replicas": 0, "autoscaling": {"policy": "kv_cache", "min_replicas": 0,
+                                                                       "max_replicas": 1}},
+        {"name": "pd", "source": "x", "disaggregation": {"prefill": {}, "decode": {}}}]})
+
+    async def hub() -> tuple[list[bytes], dict]:
+        return [], {("up", "colocated"): 2, ("pd", "decode"): 1}
+
+    app = ingress_server.OpenAIIngress({}, metrics_source=hub, models={m.name: m for m in config.models})
+    transport = httpx.ASGITransport(app=app.build_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=10) as client:
+        got = samples((await client.get("/metrics")).content)
+    counts = {labels: value for (name, labels), value in got.items() if name == "fleetserve_replicas"}
+    assert counts == {(("model", "up"), ("pool", "colocated")): 2.0, (("model", "idle"), ("pool", "colocated")): 0.0,
+                      (("model", "pd"), ("pool", "prefill")): 0.0, (("model", "pd"), ("pool", "decode")): 1.0}

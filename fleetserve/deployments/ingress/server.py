@@ -380,7 +380,9 @@ class OpenAIIngress:
                 self.platform_metrics.scrapes_without_engines.inc()
                 return self.platform_metrics.exposition()
             self.platform_metrics.replicas.clear()
-            for (model, pool), count in replica_counts.items():
+            # Every served pool has a series: 0 says a pool is at zero, where no series would say nothing.
+            serving = {(name, pool): 0 for name, model in self.models.items() for pool in model.pools()}
+            for (model, pool), count in {**serving, **replica_counts}.items():
                 self.platform_metrics.replicas.labels(model, pool).set(count)
         return merge_expositions([self.platform_metrics.exposition(), *engine_texts])
 
