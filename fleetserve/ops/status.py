@@ -91,8 +91,15 @@ def status_table(before: Scrape, after: Scrape, url: str) -> Table:
                       f"{gauges.get('vllm:num_requests_waiting', 0.0):.0f}",
                       f"{rate('vllm:generation_tokens_total'):.1f}", f"{rate('vllm:prompt_tokens_total'):.1f}",
                       hit, f"{now.get('vllm:request_success_total', 0.0):.0f}")
-    at_zero = sorted({model for (model, _), count in after.pool_replicas.items() if count == 0} - set(replicas_per_model))
-    parts = [f"{model}: {count} replica{'s' if count > 1 else ''}" for model, count in sorted(replicas_per_model.items())]
-    parts += [f"{model}: at zero" + (f", {after.held[model]} held" if after.held.get(model) else "") for model in at_zero]
-    table.caption = "  ".join(parts) if parts else "no engine replicas are reporting yet"
+    table.caption = _caption(replicas_per_model, after)
     return table
+
+
+def _caption(replicas_per_model: dict[str, int], scrape: Scrape) -> str:
+    """Each model's replica count, then the models at zero with the requests held for them."""
+    parts = [f"{model}: {count} replica{'s' if count > 1 else ''}"
+             for model, count in sorted(replicas_per_model.items())]
+    at_zero = {model for (model, _), count in scrape.pool_replicas.items() if count == 0} - set(replicas_per_model)
+    parts += [f"{model}: at zero" + (f", {scrape.held[model]} held" if scrape.held.get(model) else "")
+              for model in sorted(at_zero)]
+    return "  ".join(parts) if parts else "no engine replicas are reporting yet"

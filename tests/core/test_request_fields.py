@@ -36,7 +36,8 @@ def test_no_key_gives_no_session():
 def test_anthropic_metadata_user_id_keys_a_messages_session():
     payload = {"model": "m", "max_tokens": 8, "messages": MESSAGES, "metadata": {"user_id": "session-7"}}
     assert read_fields(Endpoint.MESSAGES, payload).routing_hints(None).session_id == "session-7"
-    assert read_fields(Endpoint.MESSAGES, {**payload, "metadata": {"user_id": 7}}).routing_hints(None).session_id is None
+    not_text = {**payload, "metadata": {"user_id": 7}}
+    assert read_fields(Endpoint.MESSAGES, not_text).routing_hints(None).session_id is None
 
 
 @pytest.mark.parametrize(("endpoint", "fields", "num_sequences"), [
