@@ -71,7 +71,7 @@ def test_serve_rejects_a_bad_config_with_the_key(tmp_path):
     done = subprocess.run([sys.executable, "-m", "fleetserve.cli", "serve", str(bad)], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 2
-    assert "models.0.replicas: Input should be greater than or equal to 1" in done.stderr
+    assert "models.0.replicas: Input should be greater than or equal to 0 (got -1)" in done.stderr
 
 
 def test_serve_refuses_a_taken_port_before_starting_anything():
