@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from fleetserve.deployments.ingress.cold_start import DEFAULT_COLD_START_S, ColdStartHold
@@ -93,3 +94,35 @@ def test_zero_knobs_refused_on_a_pool_that_never_reaches_zero():
 
     with pytest.raises(ConfigError, match="act only on a pool that scales to zero"):
         parse_config({"models": [{"name": "m", "source": "x", "autoscaling": {"max_held_requests": 4}}]})
+
+
+async def test_a_burst_before_the_first_load_reading_is_held_and_bounded():
+    from fake_engine import FakeEngine
+
+    from fleetserve.deployments.engine_server import EngineServer
+    from fleetserve.deployments.ingress.model_clients import LocalModelClient
+    from fleetserve.deployments.ingress.server import OpenAIIngress
+    from fleetserve.platform.config import ModelConfig
+
+    class SlowStart(FakeEngine):
+        first_token_s = 0.5
+
+    model = ModelConfig.model_validate({"name": "z", "source": "x", "replicas": 0, "autoscaling": {
+        "min_replicas": 0, "max_held_requests": 1}})
+    readings: list[int] = []
+
+    async def loads() -> dict:
+        readings.append(1)
+        return {"z": []}  # the pool at zero: no replica reports
+
+    server = EngineServer(model, engine_cls=SlowStart, model_path="/unused")
+    app = OpenAIIngress({"z": LocalModelClient(server)}, models={"z": model}, load_source=loads)
+    transport = httpx.ASGITransport(app=app.build_app())
+    async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30) as client:
+        body = {"model": "z", "prompt": "hi", "max_tokens": 2}
+        responses = await asyncio.gather(*(client.post("/v1/completions", json=body) for _ in range(3)))
+    # Sent before the ingress had read any engine load: before, all three went on unheld (3 x 200). Now they
+    # wait for the first reading, which shows the pool at zero: one is held (max_held_requests 1), two refused.
+    assert sorted(r.status_code for r in responses) == [200, 503, 503]
+    assert {r.json()["error"]["code"] for r in responses if r.status_code == 503} == {"cold_start_full"}
+    assert readings

@@ -98,6 +98,7 @@ class WorkLimits:
                       if limits.num_reserved_slots else {})
         self.load_source = load_source
         self._load_refresher: asyncio.Task | None = None
+        self._loads_read = asyncio.Event()
 
     async def _refresh_loads(self) -> None:
         """Feeds the engines' stats to admission control, every LOAD_REFRESH_S, for the ingress's life."""
@@ -108,9 +109,20 @@ class WorkLimits:
                     controller.observe(loads.get(name, []))
                     if name in self.slots:
                         self.slots[name].resize(self._num_slots(name))
+                self._loads_read.set()
             except Exception:  # noqa: BLE001 - stale stats only loosen admission to its hard bound
                 logger.warning("reading engine load for admission control failed; retrying", exc_info=True)
             await asyncio.sleep(LOAD_REFRESH_S)
+
+    async def first_loads(self, timeout_s: float) -> None:
+        """Waits, at most ``timeout_s``, for the first reading of the engines' reports (it starts with the first
+        admitted request); returns at once once there has been one, or when there is no source to read."""
+        if self.load_source is None or self._loads_read.is_set():
+            return
+        try:
+            await asyncio.wait_for(self._loads_read.wait(), timeout_s)
+        except TimeoutError:
+            logger.warning("no reading of engine load within %g s: going on without it", timeout_s)
 
     @contextmanager
     def waiting(self, model: str) -> Iterator[None]:

@@ -87,6 +87,9 @@ OPEN_PATHS = ("/health", "/openapi.json", "/docs")
 METRICS_SOURCE_TIMEOUT_S = 5.0
 # The longest /v1/models waits for the hub's adapter names before listing those it last read.
 ADAPTER_LIST_TIMEOUT_S = 2.0
+# The longest a request to a pool that scales to zero waits for the ingress's first reading of engine load
+# (four readings' time), without which it cannot tell a pool at zero, whose requests it holds.
+FIRST_LOADS_WAIT_S = 2.0
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
 
@@ -569,6 +572,9 @@ class OpenAIIngress:
             APIError: the engine's error, 503 once the retries are spent, or 503 from the hold.
         """
         with self.work.waiting(model):
+            if self.cold.scales_to_zero(model) and self.work.num_serving(model) is None:
+                # The ingress's first requests: whether the pool is at zero is known from its first reading.
+                await self.work.first_loads(FIRST_LOADS_WAIT_S)
             if not (self.cold.scales_to_zero(model) and self.work.num_serving(model) == 0):
                 return await self._first_chunk(model, client, request, tenant)
             async with self.cold.held(model) as remaining_s:
