@@ -345,3 +345,16 @@ def test_disaggregated_model_plans_both_pools_on_one_group(tmp_path):
     pools = parse_config(values["platform"]).model("llama").disaggregation
     assert (pools.prefill.cpu_binding, pools.decode.cpu_binding) == (None, None)
     assert (pools.decode.autoscaling.min_replicas, pools.decode.autoscaling.max_replicas) == (1, 4)
+
+
+def test_models_that_start_at_zero_start_their_worker_group_with_no_pod(tmp_path):
+    zero = {"replicas": 0, "autoscaling": {"policy": "kv_cache", "min_replicas": 0, "max_replicas": 2}}
+    config = parse_config({"models": [
+        {"name": name, "source": str(folder(tmp_path, name, LLAMA_3_8B)),
+         "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}, **zero} for name in ("ft-a", "ft-b")]})
+    spec = gpu("h100-80gb")
+    values = chart_values(config, plan_config(config, spec, True, PlanInputs()), spec, True)
+    # No pod until a model wakes; KubeRay's autoscaler adds one per woken replica, up to 2 + 2.
+    assert values["workerGroups"] == {"colocated-3g-40gb": {
+        "migProfile": "3g.40gb", "replicas": 0, "minReplicas": 0, "maxReplicas": 4, "cpu": "8", "memory": "32Gi"}}
+    assert [model["replicas"] for model in values["platform"]["models"]] == [0, 0]
