@@ -42,18 +42,19 @@ def running_replicas() -> int:
     return cluster_helpers.running_replicas("zero", f"engine-{MODEL}")
 
 
-def reporting_replicas(url: str) -> int:
-    """Replicas the ingress sees (those publishing to the metrics hub)."""
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    found = re.search(rf'fleetserve_replicas{{model="{MODEL}",pool="colocated"}} ([0-9.]+)', text)
+def series_value(url: str, series: str) -> int:
+    """One series of the ingress's /metrics, 0 when absent."""
+    found = re.search(re.escape(series) + r" ([0-9.]+)", httpx.get(f"{url}/metrics", timeout=10).text)
     return int(float(found.group(1))) if found else 0
 
+
+def reporting_replicas(url: str) -> int:
+    """Replicas the ingress sees (those publishing to the metrics hub)."""
+    return series_value(url, f'fleetserve_replicas{{model="{MODEL}",pool="colocated"}}')
 
 
 def cold_starts(url: str) -> int:
-    found = re.search(rf'fleetserve_cold_start_seconds_count{{model="{MODEL}"}} ([0-9.]+)',
-                      httpx.get(f"{url}/metrics", timeout=10).text)
-    return int(float(found.group(1))) if found else 0
+    return series_value(url, f'fleetserve_cold_start_seconds_count{{model="{MODEL}"}}')
 
 
 def test_a_pool_at_zero_wakes_for_held_requests_and_goes_back_to_zero(zero_app):

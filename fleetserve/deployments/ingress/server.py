@@ -572,10 +572,11 @@ class OpenAIIngress:
             APIError: the engine's error, 503 once the retries are spent, or 503 from the hold.
         """
         with self.work.waiting(model):
-            if self.cold.scales_to_zero(model) and self.work.num_serving(model) is None:
-                # The ingress's first requests: whether the pool is at zero is known from its first reading.
-                await self.work.first_loads(FIRST_LOADS_WAIT_S)
-            if not (self.cold.scales_to_zero(model) and self.work.num_serving(model) == 0):
+            if not self.cold.scales_to_zero(model):
+                return await self._first_chunk(model, client, request, tenant)
+            # The ingress's first requests: whether the pool is at zero is known from its first reading.
+            await self.work.first_loads(FIRST_LOADS_WAIT_S)
+            if self.work.num_serving(model) != 0:
                 return await self._first_chunk(model, client, request, tenant)
             async with self.cold.held(model) as remaining_s:
                 timeout = (remaining_s, lambda: self.cold.refusal(
