@@ -55,6 +55,8 @@ class FakeEngine:
     first_token_s = 0.0
     token_interval_s = 0.0
     max_model_len = 64
+    # What the engine reports as its max_num_seqs; 0 (not said) leaves admission to the config's.
+    max_num_seqs = 0
     # Set by a test: the engine core dies after this many tokens of a stream, which vLLM ends with its error.
     die_after_tokens: int | None = None
     # With die_after_tokens: the app raises mid-stream, as vLLM's Responses stream does, instead of sending an

@@ -210,7 +210,7 @@ class EngineServer:
 
     def report(self, reporter: ReplicaReporter) -> ReplicaReport:
         """This replica's report to one reader, its rates over the interval since that reader's previous one."""
-        return reporter.report(self.engine.stats(), self.engine.num_pending_prompt_tokens)
+        return reporter.report(self.engine.stats(), self.engine.num_pending_prompt_tokens, self.engine.max_num_seqs)
 
     def autoscaling_report(self) -> ReplicaReport:
         """What the autoscaling policy reads: KV usage, queues and the prefill backlog now; TTFT and

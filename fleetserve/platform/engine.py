@@ -191,6 +191,7 @@ class Engine:
                 (both before any weights load).
         """
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
         from fleetserve.platform.openai_app import frontend_args
@@ -224,7 +225,11 @@ class Engine:
         args = AsyncEngineArgs(model=str(model_path), served_model_name=[model.name],
                                disable_log_stats=False, **kwargs)
         recorder = StatsRecorder(stats_listeners)
-        llm = AsyncLLM.from_engine_args(args, stat_loggers=[recorder.stat_logger_factory()])
+        # As `vllm serve` builds it: vLLM sizes max_num_seqs and max_num_batched_tokens by the hardware for an API
+        # server only (1024 and 8192 on an H100, 2 x 128 and 2 x 2048 on two CPU ranks); another context gets 128
+        # and 2048 anywhere.
+        llm = AsyncLLM.from_engine_args(args, usage_context=UsageContext.OPENAI_API_SERVER,
+                                        stat_loggers=[recorder.stat_logger_factory()])
         return cls(llm, model.name, recorder, frontend)
 
     @property
@@ -232,6 +237,11 @@ class Engine:
         """Tokens the KV cache holds (blocks x block size); None before vLLM has sized it."""
         cache = self._llm.vllm_config.cache_config
         return cache.num_gpu_blocks * cache.block_size if cache.num_gpu_blocks else None
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Requests the engine runs at once: the config's, else what vLLM chose for the hardware."""
+        return int(self._llm.vllm_config.scheduler_config.max_num_seqs)
 
     @property
     def block_size(self) -> int:

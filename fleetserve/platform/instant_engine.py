@@ -24,6 +24,8 @@ class InstantEngine:
 
     block_size = 16
     num_pending_prompt_tokens = 0
+    # Not an engine's limit: admission falls back to the config's, as for a replica that has not said.
+    max_num_seqs = 0
     # Seconds between a request's tokens. 0 makes them as fast as the loop runs, and the replica then
     # coalesces many into each Ray item; an engine's step time (tens of ms) gives one token per item, as a
     # real engine streams them.

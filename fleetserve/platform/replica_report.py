@@ -42,6 +42,9 @@ class ReplicaReport:
     # Requests finished per second since the previous report, by the bucket of OUTPUT_LENGTH_EDGES their
     # output fell in (empty on the first report): the distribution a TPOT miss depends on.
     finished_per_s_by_length: tuple[float, ...] = ()
+    # Requests the engine runs at once (its max_num_seqs, as vLLM chose it where the config leaves it); 0 where
+    # not known (simulated replicas).
+    max_num_seqs: int = 0
 
 
 class ReplicaReporter:
@@ -61,7 +64,7 @@ class ReplicaReporter:
         # (time, stats) at the previous report.
         self._previous: tuple[float, EngineStats] | None = None
 
-    def report(self, stats: EngineStats, num_pending_prompt_tokens: int) -> ReplicaReport:
+    def report(self, stats: EngineStats, num_pending_prompt_tokens: int, max_num_seqs: int = 0) -> ReplicaReport:
         """The replica now; its rates are 0 (and its TTFT None) on the first report."""
         now = self.clock()
         previous, self._previous = self._previous, (now, stats)
@@ -81,4 +84,4 @@ class ReplicaReporter:
         return ReplicaReport(replica_id=self.replica_id, pool=self.pool, kv_cache_usage=stats.kv_cache_usage,
                              num_running=stats.num_running, num_waiting=stats.num_waiting,
                              num_pending_prompt_tokens=num_pending_prompt_tokens, num_finished=stats.num_finished,
-                             **rates)
+                             max_num_seqs=max_num_seqs, **rates)

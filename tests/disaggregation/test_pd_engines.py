@@ -426,6 +426,7 @@ async def test_autoscaling_signals_put_prefill_work_on_the_pool_that_does_it(clu
     assert computed == [0, sum(PROMPT_LENGTHS)]
     assert signals[0].prompt_tokens_per_s == 0 and signals[1].prompt_tokens_per_s > 0
     assert [s.num_pending_prompt_tokens for s in signals] == [0, 0]
+    assert [s.max_num_seqs for s in signals] == [32, 32]  # model_entry's, as each engine's scheduler holds it
     # The decode replica finished all six requests at their 12 tokens: the output lengths the SLO policy
     # reads are there, and only there.
     finished = [a - b for a, b in zip(decode.engine.stats().output_length_counts, before[0].output_length_counts)]

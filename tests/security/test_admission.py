@@ -65,6 +65,22 @@ def test_free_engine_slots_absorb_a_burst_before_the_queue_bound():
     assert not admission.decide(12, 9).admitted  # 3 streaming still: 10 - 5 = 5 queued > 4
 
 
+def test_engines_own_max_num_seqs_sizes_the_slots_where_the_config_leaves_it():
+    model = ModelConfig(name="m", source="unused", replicas=2)  # max_num_seqs left to vLLM
+    admission = AdmissionController(model, LimitsConfig(min_queued_per_replica=2, max_queue_wait_s=4.0), Clock())
+    assert admission.num_slots() == 128  # before any report: one replica at vLLM's least default
+    admission.observe([load("a", max_num_seqs=1024, kv_cache_usage=0.1),
+                       load("b", max_num_seqs=1024, kv_cache_usage=0.1)])
+    # vLLM chose 1024 per engine (an H100 API server's default): 2 x 1024 = 2,048 slots, all free, so 2,000
+    # unstarted requests + 1 queue nothing beyond the engines' 0 + 1 waiting: admitted. At 128 slots per engine
+    # (256) the same request would count 2,001 - 256 = 1,745 queued against a floor of 2 x 2 = 4.
+    assert admission.num_slots() == 2048
+    assert admission.decide(2000, 2000).admitted
+    # A replica that has not said (0) counts at the fallback: 1,024 + 128.
+    admission.observe([load("a", max_num_seqs=1024, kv_cache_usage=0.1), load("b", kv_cache_usage=0.1)])
+    assert admission.num_slots() == 1152
+
+
 def test_requests_beyond_all_engine_slots_count_as_queued():
     admission, _ = controller(replicas=2, max_num_seqs=4)
     admission.observe([load("a", num_running=4, kv_cache_usage=0.5), load("b", num_running=4, kv_cache_usage=0.5)])

@@ -20,7 +20,8 @@ from fleetserve.platform.replica_report import ReplicaReport
 # Mean KV usage at or above which engines cannot start more requests (they would preempt), so requests
 # sent to them wait; below it, and with nothing waiting, engines start what they are sent at once.
 KV_SATURATED = 0.9
-# max_num_seqs when the config leaves it to vLLM (its smallest CPU default).
+# max_num_seqs of a replica that has not reported its own, when the config leaves it to vLLM (vLLM's least
+# default: one CPU rank's).
 DEFAULT_MAX_NUM_SEQS = 128
 # Seconds of engine snapshots the completion rate is measured over.
 RATE_WINDOW_S = 10.0
@@ -123,6 +124,14 @@ class AdmissionController:
     def _serving(self) -> list[ReplicaReport]:
         return [load for load in self.loads if load.pool in ("colocated", "decode")]
 
+    def num_slots(self) -> int:
+        """Requests the serving replicas run at once: each one's max_num_seqs as its engine reports it (vLLM
+        sizes it by the hardware where the config leaves it), else the config's; one replica's before any report."""
+        serving = self._serving()
+        if not serving:
+            return self.max_num_seqs
+        return sum(load.max_num_seqs or self.max_num_seqs for load in serving)
+
     def decide(self, num_in_flight: int, num_unstarted: int | None = None,
                tenant: TenantClass | None = None, num_tenant_in_flight: int = 0) -> AdmissionDecision:
         """Whether one more request may join those this ingress already holds.
@@ -152,7 +161,7 @@ class AdmissionController:
         started = in_flight - unstarted
         waiting = sum(load.num_waiting for load in self.loads)
         kv_usage = sum(load.kv_cache_usage for load in serving) / num_replicas
-        slots = self.max_num_seqs * num_replicas
+        slots = self.num_slots()
         # Engines with nothing waiting and KV to spare start what they are sent, up to max_num_seqs.
         headroom = max(0, slots - started) if waiting == 0 and kv_usage < KV_SATURATED else 0
         # Queued is the largest of three views: the engines' waiting requests (from every ingress); requests

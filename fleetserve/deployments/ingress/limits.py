@@ -154,10 +154,9 @@ class WorkLimits:
             self.platform_metrics.admission_queue.labels(model).set(decision.queue_allowance)
 
     def _num_slots(self, model: str) -> int:
-        """This ingress's part of the model's engine slots: max_num_seqs x serving replicas (one before the
-        first report) over the ingress replicas, at least one."""
-        controller = self.admission[model]
-        return max(1, controller.max_num_seqs * max(1, controller.num_serving() or 0) // self.num_parts)
+        """This ingress's part of the model's engine slots (their max_num_seqs over the serving replicas; one
+        replica's before the first report) over the ingress replicas, at least one."""
+        return max(1, self.admission[model].num_slots() // self.num_parts)
 
     def num_serving(self, model: str) -> int | None:
         """Serving replicas the engines' reports show for ``model``; None before the first reading."""
