@@ -5,7 +5,7 @@ from __future__ import annotations
 import signal
 import threading
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 from rich.console import Console
@@ -15,6 +15,10 @@ from fleetserve.platform.config import ConfigError, PlatformConfig, default_conf
 from fleetserve.cli.autoscale import autoscale_app
 from fleetserve.cli.errors import print_error
 from fleetserve.cli.router import router_app
+
+if TYPE_CHECKING:
+    from fleetserve.ops.gpus import GpuSpec
+    from fleetserve.ops.planner import ModelPlan
 
 app = typer.Typer(help="fleetserve: serve many LLMs behind one OpenAI-compatible endpoint.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
@@ -349,6 +353,8 @@ def plan(
     price: Annotated[float, typer.Option(help="Dollars per whole-GPU hour.")] = 4.0,
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the plan as JSON here ('-': stdout).")] = None,
     emit_values: Annotated[Optional[Path], typer.Option(help="Write Helm values for helm/fleetserve here.")] = None,
+    emit_profiles: Annotated[Optional[Path], typer.Option(
+        help="Write each model's replica profile (DIR/<model>.yaml) for `fleetserve autoscale simulate --profile`.")] = None,
 ) -> None:
     """Which GPU or MIG slice each model needs, what it can serve there, and how it packs onto GPUs."""
     import json
@@ -385,6 +391,19 @@ def plan(
                                + yaml.safe_dump(values, sort_keys=False))
         console.print(f"chart values: {emit_values}")
         _warn_unmounted_in_values(values)
+    if emit_profiles is not None:
+        _write_profiles(emit_profiles, config, plans, spec)
+
+
+def _write_profiles(folder: Path, config: PlatformConfig, plans: list[ModelPlan], spec: GpuSpec) -> None:
+    """One replica profile per planned model, named after it."""
+    from fleetserve.ops.replica_profile import profile_yaml, replica_profile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for plan in plans:
+        path = folder / f"{plan.model}.yaml"
+        path.write_text(profile_yaml(replica_profile(plan, config.model(plan.model), spec), plan, spec))
+        console.print(f"replica profile: {path}")
 
 
 app.add_typer(router_app, name="router")

@@ -2,7 +2,7 @@
 
 Figures are NVIDIA's published ones (MIG user guide, product briefs): memory per profile as its name
 gives it (in GB of 10^9 bytes, as NVIDIA names them), compute as sevenths of the GPU's SMs, memory
-bandwidth as the profile's share of the eight memory slices. ``all-balanced`` and the ``all-<profile>``
+bandwidth as the profile's share of the eight memory slices, peak dense BF16 tensor FLOP/s (SXM parts). ``all-balanced`` and the ``all-<profile>``
 layouts are the GPU operator's default mig-parted configurations.
 """
 
@@ -48,6 +48,8 @@ class GpuSpec:
     product: str  # nvidia.com/gpu.product label value (single strategy, whole GPU)
     memory_bytes: int
     memory_bandwidth_bytes_per_s: float
+    # Dense 16-bit tensor FLOP/s (the datasheet's figure without sparsity); a MIG slice gets its compute share.
+    peak_flops: float
     profiles: tuple[MigProfile, ...]
     # Valid whole-GPU layouts by GPU-operator config name: profile names, one entry per instance.
     layouts: dict[str, tuple[str, ...]]
@@ -67,7 +69,7 @@ class GpuSpec:
 _SHAPES = ((1, 1, 7), (1, 2, 4), (2, 2, 3), (3, 4, 2), (4, 4, 1), (7, 8, 1))
 
 
-def _spec(name: str, product: str, bandwidth_tb_s: float, sizes_gb: tuple[int, ...]) -> GpuSpec:
+def _spec(name: str, product: str, bandwidth_tb_s: float, tflops: float, sizes_gb: tuple[int, ...]) -> GpuSpec:
     profiles = tuple(MigProfile(f"{compute}g.{size}gb", size * GB, compute, memory, most)
                      for size, (compute, memory, most) in zip(sizes_gb, _SHAPES))
     one, _, two, three, four, seven = (p.name for p in profiles)
@@ -79,13 +81,13 @@ def _spec(name: str, product: str, bandwidth_tb_s: float, sizes_gb: tuple[int, .
         f"all-{four}": (four,),
         f"all-{seven}": (seven,),
     }
-    return GpuSpec(name, product, sizes_gb[-1] * GB, bandwidth_tb_s * 1e12, profiles, layouts)
+    return GpuSpec(name, product, sizes_gb[-1] * GB, bandwidth_tb_s * 1e12, tflops * 1e12, profiles, layouts)
 
 
 GPUS: dict[str, GpuSpec] = {
-    "a100-80gb": _spec("a100-80gb", "NVIDIA-A100-SXM4-80GB", 2.039, (10, 20, 20, 40, 40, 80)),
-    "h100-80gb": _spec("h100-80gb", "NVIDIA-H100-80GB-HBM3", 3.35, (10, 20, 20, 40, 40, 80)),
-    "h200-141gb": _spec("h200-141gb", "NVIDIA-H200", 4.8, (18, 35, 35, 71, 71, 141)),
+    "a100-80gb": _spec("a100-80gb", "NVIDIA-A100-SXM4-80GB", 2.039, 312, (10, 20, 20, 40, 40, 80)),
+    "h100-80gb": _spec("h100-80gb", "NVIDIA-H100-80GB-HBM3", 3.35, 989, (10, 20, 20, 40, 40, 80)),
+    "h200-141gb": _spec("h200-141gb", "NVIDIA-H200", 4.8, 989, (18, 35, 35, 71, 71, 141)),
 }
 
 

@@ -12,7 +12,10 @@ The memory math, per model:
 * decode ceiling: every decode step reads the weights once and each sequence's KV, so at batch B and
   context C, tokens/s <= B x bandwidth / (weights + B x C x KV bytes per token);
 * cold start: weight bytes / load bandwidth + engine start-up;
-* cost per 1M output tokens: $/GPU-hour x the slice's share of the GPU / (decode ceiling x 3600) x 1e6.
+* cost per 1M output tokens: $/GPU-hour x the slice's share of the GPU / (decode ceiling x 3600) x 1e6;
+* what a replica does there, as the autoscaling simulator's replica profile: KV tokens its pool holds, prefill
+  tokens/s (2 FLOPs per parameter per token at ``compute_efficiency`` of the slice's peak), and a decode step's
+  time (the weights read once, each sequence's compute, each sequence's KV read).
 """
 
 from __future__ import annotations
@@ -220,6 +223,8 @@ class PlanInputs:
     load_bandwidth_bytes_per_s: float = 2e9
     # Engine start beyond loading weights (CUDA init, profiling, graph capture).
     startup_overhead_s: float = 30.0
+    # Share of the slice's peak tensor FLOP/s that prefill and decode compute sustain (model FLOPs utilization).
+    compute_efficiency: float = 0.3
 
 
 @dataclass(frozen=True)
@@ -232,6 +237,8 @@ class Slice:
     # Share of the GPU the slice blocks, for cost: max of its compute and memory shares.
     gpu_share: float
     profile: MigProfile | None = None
+    # Peak dense 16-bit tensor FLOP/s: the GPU's, times the slice's compute share.
+    flops_per_s: float = 0.0
 
     def usable_bytes(self, inputs: PlanInputs) -> float:
         return self.memory_bytes * inputs.memory_utilization - inputs.activation_reserve_bytes
@@ -240,10 +247,10 @@ class Slice:
 def slices(gpu: GpuSpec, mig: bool) -> list[Slice]:
     """Candidate slices from smallest to largest (a whole GPU when MIG is off)."""
     if not mig:
-        return [Slice("gpu", gpu.memory_bytes, gpu.memory_bandwidth_bytes_per_s, 1.0)]
+        return [Slice("gpu", gpu.memory_bytes, gpu.memory_bandwidth_bytes_per_s, 1.0, flops_per_s=gpu.peak_flops)]
     ordered = sorted(gpu.profiles, key=lambda p: (p.memory_bytes, p.num_compute_slices))
     return [Slice(p.name, p.memory_bytes, gpu.memory_bandwidth_bytes_per_s * p.memory_share,
-                  max(p.compute_share, p.memory_share), p) for p in ordered]
+                  max(p.compute_share, p.memory_share), p, gpu.peak_flops * p.compute_share) for p in ordered]
 
 
 @dataclass(frozen=True)
@@ -271,6 +278,15 @@ class ModelPlan:
     tensor_parallel_size: int = 1
     # LoRA buffers each GPU allocates for the model's adapter slots (0 without lora:).
     lora_bytes_per_gpu: int = 0
+    # What one replica does there (derived, not measured), the autoscaling simulator's replica profile: KV
+    # tokens the slice's KV pool holds; prompt tokens prefilled per second; a decode step's time, which is
+    # decode_step_base_s (the weights read once) + decode_step_per_seq_s per sequence (its compute)
+    # + decode_step_per_kv_token_s per KV token the batch holds (each sequence's KV read).
+    kv_capacity_tokens: int = 0
+    prefill_tokens_per_s: float = 0.0
+    decode_step_base_s: float = 0.0
+    decode_step_per_seq_s: float = 0.0
+    decode_step_per_kv_token_s: float = 0.0
 
     @property
     def kv_cache_bytes_per_gpu(self) -> int:
@@ -336,7 +352,8 @@ def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, r
     usable = chosen.usable_bytes(inputs)
     rank_weights = shape.weight_bytes / num_ranks
     rank_lora = shape.lora_bytes_per_rank(lora, num_ranks)
-    rank_kv_per_seq = inputs.context_len * shape.kv_bytes_per_token_per_rank(num_ranks)
+    rank_kv_per_token = shape.kv_bytes_per_token_per_rank(num_ranks)
+    rank_kv_per_seq = inputs.context_len * rank_kv_per_token
     max_seqs = int((usable - rank_weights - rank_lora) // rank_kv_per_seq)
     batch = inputs.concurrency
     # Ranks read their shards side by side: a step takes one rank's bytes over one GPU's bandwidth (the
@@ -346,8 +363,16 @@ def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, r
     single = chosen.bandwidth_bytes_per_s / rank_weights
     cost = inputs.price_per_gpu_hour * chosen.gpu_share * num_ranks / (decode * 3600) * 1e6
     cold = shape.weight_bytes / inputs.load_bandwidth_bytes_per_s + inputs.startup_overhead_s
+    # Every rank computes its share of each token's 2 FLOPs per parameter, side by side.
+    rank_flops = 2 * shape.num_params / num_ranks
+    sustained_flops = chosen.flops_per_s * inputs.compute_efficiency
     return ModelPlan(shape.name, replicas, shape.num_params, shape.weight_bytes, shape.kv_bytes_per_token, need,
-                     chosen.name, int(usable), max_seqs, single, decode, cold, cost, num_ranks, rank_lora)
+                     chosen.name, int(usable), max_seqs, single, decode, cold, cost, num_ranks, rank_lora,
+                     kv_capacity_tokens=int((usable - rank_weights - rank_lora) // rank_kv_per_token),
+                     prefill_tokens_per_s=sustained_flops / rank_flops,
+                     decode_step_base_s=rank_weights / chosen.bandwidth_bytes_per_s,
+                     decode_step_per_seq_s=rank_flops / sustained_flops,
+                     decode_step_per_kv_token_s=rank_kv_per_token / chosen.bandwidth_bytes_per_s)
 
 
 @dataclass

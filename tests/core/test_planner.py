@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from fleetserve.platform.config import parse_config
+from fleetserve.platform.config import ModelConfig, ReplicaProfile, parse_config
 from fleetserve.ops.gpus import GPUS, gpu
 from fleetserve.ops.planner import (
     GiB,
@@ -26,6 +26,7 @@ from fleetserve.ops.planner import (
     plan_config,
     plan_model,
 )
+from fleetserve.ops.replica_profile import profile_yaml, replica_profile, vllm_batch_defaults
 
 # Published config.json shapes (Hugging Face model cards).
 LLAMA_3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
@@ -86,6 +87,42 @@ def test_llama_3_8b_on_h100_mig_takes_3g_40gb(tmp_path):
     assert plan.cold_start_s == pytest.approx(38.0303, rel=1e-5)
 
 
+def test_a_planned_replica_becomes_the_simulators_replica_profile(tmp_path):
+    plan = plan_model(model_shape("llama-3-8b", folder(tmp_path, "l", LLAMA_3_8B)), gpu("h100-80gb"), True, INPUTS)
+    # KV: (34,926,258,176 usable - 16,060,522,496 weights) // 131,072 per token = 143,934 tokens.
+    assert plan.kv_capacity_tokens == 143_934
+    # 989e12 FLOP/s x 3/7 compute slices x 0.3 efficiency = 127.157e12 sustained; a token is 2 x 8,030,261,248
+    # FLOPs: 7,917.37 prompt tokens/s, and one sequence's decode compute 1 / 7,917.37 = 126.3 us a step.
+    assert plan.prefill_tokens_per_s == pytest.approx(989e12 * 3 / 7 * 0.3 / 16_060_522_496)
+    assert plan.prefill_tokens_per_s == pytest.approx(7917.37, abs=0.01)
+    assert plan.decode_step_per_seq_s == pytest.approx(1 / plan.prefill_tokens_per_s)
+    # A step reads the weights once, 16,060,522,496 B at 1.675e12 B/s = 9.588 ms, and 131,072 B per KV token held.
+    assert plan.decode_step_base_s == pytest.approx(16_060_522_496 / 1.675e12)
+    assert plan.decode_step_per_kv_token_s == pytest.approx(131_072 / 1.675e12)
+    profile = replica_profile(plan, ModelConfig(name="llama-3-8b", source="unused"), gpu("h100-80gb"))
+    # The config leaves the batch limits to vLLM, which gives a 40 GB slice (37.3 GiB) 256 and 2048.
+    assert (profile.max_num_seqs, profile.max_num_batched_tokens) == (256, 2048)
+    assert (profile.kv_capacity_tokens, profile.startup_s) == (143_934, plan.cold_start_s)
+    text = profile_yaml(profile, plan, gpu("h100-80gb"))
+    assert ReplicaProfile.model_validate(yaml.safe_load(text)) == profile
+    configured = ModelConfig(name="llama-3-8b", source="unused",
+                             engine_args={"max_num_seqs": 64, "max_num_batched_tokens": 4096})
+    assert replica_profile(plan, configured, gpu("h100-80gb")).max_num_seqs == 64
+
+
+@pytest.mark.parametrize(("gpu_name", "slice_name", "expected"), [
+    ("h100-80gb", None, (1024, 8192)),  # 80e9 B = 74.5 GiB >= 70 GiB
+    ("h100-80gb", "7g.80gb", (1024, 8192)),
+    ("h100-80gb", "3g.40gb", (256, 2048)),  # 37.3 GiB
+    ("a100-80gb", None, (256, 2048)),  # an A100 is kept at the small defaults whatever its memory
+    ("h200-141gb", None, (1024, 8192)),  # 131.3 GiB < 160 GiB
+])
+def test_vllm_batch_defaults_follow_the_device_memory(gpu_name, slice_name, expected):
+    spec = gpu(gpu_name)
+    memory = spec.memory_bytes if slice_name is None else spec.profile(slice_name).memory_bytes
+    assert vllm_batch_defaults(memory, spec.name) == expected
+
+
 def test_qwen2_7b_on_h200_mig_takes_1g_35gb(tmp_path):
     shape = model_shape("qwen2-7b", folder(tmp_path, "q", QWEN2_7B))
     plan = plan_model(shape, gpu("h200-141gb"), True, INPUTS)
@@ -121,6 +158,11 @@ def test_a_model_no_gpu_holds_is_sharded_over_the_fewest_gpus_that_do(tmp_path, 
     plan = plan_model(model_shape("llama-3-70b", folder(tmp_path, "m", LLAMA_3_70B)), gpu(gpu_name), False, INPUTS)
     assert (plan.slice, plan.tensor_parallel_size) == ("gpu", ranks)
     assert (plan.kv_cache_bytes_per_gpu, plan.max_concurrent_seqs) == (kv_per_gpu, max_seqs)
+    # Each rank holds and computes its share, side by side: the step reads one rank's weights (2 bytes a
+    # parameter), and prefill runs at all the ranks' FLOPs (989e12 x 0.3 each over 2 FLOPs a parameter).
+    bandwidth = gpu(gpu_name).memory_bandwidth_bytes_per_s
+    assert plan.decode_step_base_s == pytest.approx(2 * 70_553_706_496 / ranks / bandwidth)
+    assert plan.prefill_tokens_per_s == pytest.approx(ranks * 989e12 * 0.3 / (2 * 70_553_706_496))
     # A replica takes its GPUs whole: 2 replicas are 2 x ranks GPUs.
     assert len(pack([replace(plan, replicas=2)], gpu(gpu_name))) == 2 * ranks
 
@@ -291,6 +333,27 @@ def test_plan_json_on_stdout_is_the_json_alone(tmp_path):
     plan = json.loads(result.stdout)
     assert [model["slice"] for model in plan["models"]] == ["3g.40gb"]
     assert "capacity plan on h100-80gb" in result.stderr
+
+
+def test_emitted_profiles_replay_in_the_simulator(tmp_path):
+    from typer.testing import CliRunner
+
+    from fleetserve.cli.main import app
+
+    path = tmp_path / "platform.yaml"
+    path.write_text(yaml.safe_dump({"models": [{"name": "llama", "source": str(folder(tmp_path, "llama", LLAMA_3_8B)),
+                                                "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}}]}))
+    result = CliRunner().invoke(app, ["plan", str(path), "--mig", "--emit-profiles", str(tmp_path / "profiles")])
+    assert result.exit_code == 0, result.output
+    profile = yaml.safe_load((tmp_path / "profiles" / "llama.yaml").read_text())
+    assert (profile["kv_capacity_tokens"], profile["max_num_seqs"]) == (143_934, 8)  # the slice's KV; the config's
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("policy: ray_default\nmin_replicas: 1\nmax_replicas: 2\n")
+    summary = tmp_path / "summary.json"
+    result = CliRunner().invoke(app, ["autoscale", "simulate", "--trace", "ramp:60:1:2", "--policy", str(policy),
+                                      "--profile", str(tmp_path / "profiles" / "llama.yaml"), "--json", str(summary)])
+    assert result.exit_code == 0, result.output
+    assert json.loads(summary.read_text())["profile"] == profile
 
 
 def test_a_sharded_model_gets_a_group_whose_pods_hold_all_its_gpus(tmp_path):
