@@ -30,5 +30,8 @@ def test_engine_generates_and_reports_stats_on_gpu():
         assert "Paris" in "".join(delta.text for delta in deltas)
         stats = engine.stats()
         assert stats.num_running == 0 and stats.kv_cache_usage == 0.0 and stats.num_generation_tokens >= 1
+        # The config leaves max_num_seqs to vLLM, whose API-server default on any GPU is 256 or more (1024 on an
+        # H100 or H200), where an engine outside that context gets 128.
+        assert engine.max_num_seqs >= 256
     finally:
         engine.shutdown()
