@@ -198,7 +198,8 @@ class Engine:
 
         frontend = frontend_args(model, model_path)
 
-        kwargs = scale_to_zero_defaults(model, model.engine_kwargs(), on_cpu=_on_cpu())
+        on_cpu = _on_cpu()
+        kwargs = shared_gpu_defaults(model, scale_to_zero_defaults(model, model.engine_kwargs(), on_cpu), on_cpu)
         if model.api.reasoning_parser is not None:
             # An engine arg in vLLM: structured outputs must know where reasoning ends.
             kwargs.setdefault("reasoning_parser", model.api.reasoning_parser)
@@ -458,6 +459,24 @@ def scale_to_zero_defaults(model: ModelConfig, kwargs: dict[str, Any], on_cpu: b
         return kwargs
     logger.info("%s scales to zero on CPU: eager mode (set engine_args.extra.enforce_eager to choose)", model.name)
     return {**kwargs, "enforce_eager": True}
+
+
+def shared_gpu_defaults(model: ModelConfig, kwargs: dict[str, Any], on_cpu: bool) -> dict[str, Any]:
+    """The engine args with the memory share a replica on part of a GPU gets unless it sets one.
+
+    Ray packs replicas that ask for part of a GPU (``resources.num_gpus: 0.25``) onto one GPU, and vLLM's
+    ``gpu_memory_utilization`` is each engine's share of the whole device, checked at start against the memory
+    still free: at vLLM's default (0.92) the second engine on the GPU would not start. Each gets its part of
+    that default instead (0.23 at a quarter GPU).
+    """
+    share = model.resources.num_gpus
+    if on_cpu or not 0 < share < 1 or "gpu_memory_utilization" in kwargs:
+        return kwargs
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    utilization = round(share * AsyncEngineArgs.gpu_memory_utilization, 4)
+    logger.info("%s takes %g of a GPU: gpu_memory_utilization %g", model.name, share, utilization)
+    return {**kwargs, "gpu_memory_utilization": utilization}
 
 
 def split_binding(binding: str, num_ranks: int) -> str:

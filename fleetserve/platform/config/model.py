@@ -116,6 +116,22 @@ class ModelConfig(Strict):
                                  f"(e.g. '0-3|4-7'), or one set the platform splits between them")
         return self
 
+    @model_validator(mode="after")
+    def _check_gpu_share(self) -> ModelConfig:
+        share = self.resources.num_gpus
+        if not 0 < share < 1:
+            return self
+        for pool in self.pools():
+            utilization = self.pool_model(pool).engine_args.extra.get("gpu_memory_utilization")
+            if isinstance(utilization, (int, float)) and utilization > share:
+                where = "" if pool == "colocated" else f"disaggregation.{pool}."
+                raise ValueError(f"{where}engine_args.extra.gpu_memory_utilization {utilization:g} is more than "
+                                 f"resources.num_gpus {share:g}: Ray packs replicas on parts of a GPU onto one GPU, "
+                                 f"and vLLM's utilization is each engine's part of the whole GPU, so the next engine "
+                                 f"there would not start. Set it at most {share:g}, or leave it out for {share:g} x "
+                                 f"vLLM's default")
+        return self
+
     @property
     def adapter_names(self) -> list[str]:
         """The names of the adapters configured under this base (empty without lora)."""
