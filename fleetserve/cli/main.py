@@ -346,8 +346,10 @@ def _warn_unmounted_in_values(values: dict) -> None:
 @app.command()
 def plan(
     config_path: Annotated[Path, typer.Argument(metavar="CONFIG", help="Platform config YAML.")],
-    gpu: Annotated[str, typer.Option(help="a100-80gb, h100-80gb or h200-141gb.")] = "h100-80gb",
+    gpu: Annotated[str, typer.Option(help="a100-80gb, h100-80gb, h200-141gb, l4-24gb or l40s-48gb.")] = "h100-80gb",
     mig: Annotated[bool, typer.Option(help="Place models on MIG slices (else whole GPUs).")] = False,
+    shared: Annotated[bool, typer.Option(help="Place small models on 1/8, 1/4 or 1/2 of a GPU without MIG "
+                                              "(Ray packs them onto shared GPUs).")] = False,
     context: Annotated[Optional[int], typer.Option(help="Tokens per sequence (default: each model's max_model_len).")] = None,
     concurrency: Annotated[Optional[int], typer.Option(help="Sequences per replica (default: each model's max_num_seqs, else 8).")] = None,
     price: Annotated[float, typer.Option(help="Dollars per whole-GPU hour.")] = 4.0,
@@ -363,8 +365,12 @@ def plan(
 
     from fleetserve.ops.gpus import gpu as gpu_spec
     from fleetserve.ops.plan_report import packing_table, plan_json, plan_table
-    from fleetserve.ops.planner import PlanError, PlanInputs, chart_values, pack, plan_config
+    from fleetserve.ops.planner import Partitioning, PlanError, PlanInputs, chart_values, pack, plan_config
 
+    if mig and shared:
+        print_error("--mig and --shared are two ways to split a GPU: choose one")
+        raise typer.Exit(2)
+    partitioning = Partitioning.MIG if mig else Partitioning.SHARED if shared else Partitioning.WHOLE
     config = _load(config_path)
     try:
         spec = gpu_spec(gpu)
@@ -373,7 +379,7 @@ def plan(
         raise typer.Exit(2) from None
     inputs = PlanInputs(price_per_gpu_hour=price)
     try:
-        plans = plan_config(config, spec, mig, inputs, context_len=context, concurrency=concurrency)
+        plans = plan_config(config, spec, partitioning, inputs, context_len=context, concurrency=concurrency)
         assignments = pack(plans, spec)
     except PlanError as error:
         print_error(error)
@@ -381,12 +387,12 @@ def plan(
     # With the JSON on stdout, the tables go to stderr so that stdout parses.
     out = Console(width=160, stderr=json_out is not None and str(json_out) == "-")
     out.print(plan_table(plans, spec.name, inputs))
-    out.print(packing_table(assignments, mig))
+    out.print(packing_table(assignments, partitioning))
     if json_out is not None:
-        text = json.dumps(plan_json(plans, assignments, spec.name, mig, inputs), indent=2)
+        text = json.dumps(plan_json(plans, assignments, spec.name, partitioning, inputs), indent=2)
         typer.echo(text) if str(json_out) == "-" else json_out.write_text(text + "\n")
     if emit_values is not None:
-        values = chart_values(config, plans, spec, mig)
+        values = chart_values(config, plans, spec, partitioning)
         emit_values.write_text("# Written by `fleetserve plan`; pass to helm/fleetserve with -f.\n"
                                + yaml.safe_dump(values, sort_keys=False))
         console.print(f"chart values: {emit_values}")

@@ -2,7 +2,8 @@
 
 Figures are NVIDIA's published ones (MIG user guide, product briefs): memory per profile as its name
 gives it (in GB of 10^9 bytes, as NVIDIA names them), compute as sevenths of the GPU's SMs, memory
-bandwidth as the profile's share of the eight memory slices, peak dense BF16 tensor FLOP/s (SXM parts). ``all-balanced`` and the ``all-<profile>``
+bandwidth as the profile's share of the eight memory slices, peak dense BF16 tensor FLOP/s (SXM parts). The L4
+and L40S have no MIG. ``all-balanced`` and the ``all-<profile>``
 layouts are the GPU operator's default mig-parted configurations.
 """
 
@@ -84,10 +85,17 @@ def _spec(name: str, product: str, bandwidth_tb_s: float, tflops: float, sizes_g
     return GpuSpec(name, product, sizes_gb[-1] * GB, bandwidth_tb_s * 1e12, tflops * 1e12, profiles, layouts)
 
 
+def _whole(name: str, product: str, memory_gb: int, bandwidth_tb_s: float, tflops: float) -> GpuSpec:
+    """A GPU without MIG: replicas take it whole, or share it by fractions (Ray packs them)."""
+    return GpuSpec(name, product, memory_gb * GB, bandwidth_tb_s * 1e12, tflops * 1e12, (), {})
+
+
 GPUS: dict[str, GpuSpec] = {
     "a100-80gb": _spec("a100-80gb", "NVIDIA-A100-SXM4-80GB", 2.039, 312, (10, 20, 20, 40, 40, 80)),
     "h100-80gb": _spec("h100-80gb", "NVIDIA-H100-80GB-HBM3", 3.35, 989, (10, 20, 20, 40, 40, 80)),
     "h200-141gb": _spec("h200-141gb", "NVIDIA-H200", 4.8, 989, (18, 35, 35, 71, 71, 141)),
+    "l4-24gb": _whole("l4-24gb", "NVIDIA-L4", 24, 0.3, 121),
+    "l40s-48gb": _whole("l40s-48gb", "NVIDIA-L40S", 48, 0.864, 362),
 }
 
 

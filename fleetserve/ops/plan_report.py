@@ -7,7 +7,11 @@ from typing import Any
 
 from rich.table import Table
 
-from fleetserve.ops.planner import GiB, GpuAssignment, ModelPlan, PlanInputs
+from fleetserve.ops.planner import GiB, GpuAssignment, ModelPlan, Partitioning, PlanInputs
+
+# How the packing table's title describes the GPUs.
+_PACKING_TITLES = {Partitioning.MIG: "valid MIG layouts only", Partitioning.WHOLE: "MIG off",
+                   Partitioning.SHARED: "MIG off, small models on parts of shared GPUs"}
 
 
 def plan_table(plans: list[ModelPlan], gpu_name: str, inputs: PlanInputs) -> Table:
@@ -36,8 +40,8 @@ def slice_text(plan: ModelPlan) -> str:
     return f"{plan.tensor_parallel_size} x {plan.slice} (TP {plan.tensor_parallel_size})"
 
 
-def packing_table(assignments: list[GpuAssignment], mig: bool = True) -> Table:
-    table = Table(title=f"{len(assignments)} GPU(s)" + (", valid MIG layouts only" if mig else ", MIG off"))
+def packing_table(assignments: list[GpuAssignment], partitioning: Partitioning = Partitioning.MIG) -> Table:
+    table = Table(title=f"{len(assignments)} GPU(s), {_PACKING_TITLES[partitioning]}")
     for column in ("GPU", "layout", "slots (profile: model)"):
         table.add_column(column)
     for index, gpu in enumerate(assignments):
@@ -46,8 +50,9 @@ def packing_table(assignments: list[GpuAssignment], mig: bool = True) -> Table:
     return table
 
 
-def plan_json(plans: list[ModelPlan], assignments: list[GpuAssignment], gpu_name: str, mig: bool,
+def plan_json(plans: list[ModelPlan], assignments: list[GpuAssignment], gpu_name: str, partitioning: Partitioning,
               inputs: PlanInputs) -> dict[str, Any]:
-    return {"gpu": gpu_name, "mig": mig, "inputs": asdict(inputs), "models": [asdict(plan) for plan in plans],
+    return {"gpu": gpu_name, "mig": partitioning is Partitioning.MIG, "partitioning": partitioning.value,
+            "inputs": asdict(inputs), "models": [asdict(plan) for plan in plans],
             "gpus": [{"layout": gpu.layout, "slots": [{"profile": p, "model": m} for p, m in gpu.slots]}
                      for gpu in assignments]}

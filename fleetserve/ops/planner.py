@@ -24,6 +24,7 @@ import json
 import math
 import struct
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +41,21 @@ _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8
 
 # Tensor-parallel sizes the planner tries, fewest GPUs first: up to one 8-GPU node's NVLink domain.
 TENSOR_PARALLEL_SIZES = (2, 4, 8)
+# Parts of a GPU a replica may take when replicas share GPUs without MIG, smallest first: halvings, so that
+# Ray's packing of fractional GPUs leaves no unusable gaps.
+SHARED_PARTS = (8, 4, 2)
+
+
+class Partitioning(str, Enum):
+    """How replicas take GPUs."""
+
+    # Each replica takes whole GPUs (several, over tensor-parallel ranks, when one does not hold it).
+    WHOLE = "whole"
+    # Each replica takes one MIG slice (hardware-isolated memory and compute).
+    MIG = "mig"
+    # Small replicas take 1/8, 1/4 or 1/2 of a GPU without MIG (resources.num_gpus below 1; Ray packs them onto
+    # one GPU, each engine held to its part of the memory); larger ones take whole GPUs.
+    SHARED = "shared"
 
 
 class PlanError(ValueError):
@@ -239,15 +255,30 @@ class Slice:
     profile: MigProfile | None = None
     # Peak dense 16-bit tensor FLOP/s: the GPU's, times the slice's compute share.
     flops_per_s: float = 0.0
+    # The part of one GPU a replica here asks Ray for (resources.num_gpus): below 1 for a shared GPU's part.
+    gpu_fraction: float = 1.0
 
     def usable_bytes(self, inputs: PlanInputs) -> float:
         return self.memory_bytes * inputs.memory_utilization - inputs.activation_reserve_bytes
 
 
-def slices(gpu: GpuSpec, mig: bool) -> list[Slice]:
-    """Candidate slices from smallest to largest (a whole GPU when MIG is off)."""
-    if not mig:
-        return [Slice("gpu", gpu.memory_bytes, gpu.memory_bandwidth_bytes_per_s, 1.0, flops_per_s=gpu.peak_flops)]
+def slices(gpu: GpuSpec, partitioning: Partitioning) -> list[Slice]:
+    """Candidate slices from smallest to largest: MIG profiles, parts of a shared GPU, or the whole GPU.
+
+    A part of a shared GPU is planned with that part of its memory, bandwidth and compute: what it gets while
+    every replica on the GPU is busy (an idle neighbour leaves it more bandwidth and compute, never memory).
+
+    Raises:
+        PlanError: MIG on a GPU that has none.
+    """
+    whole = Slice("gpu", gpu.memory_bytes, gpu.memory_bandwidth_bytes_per_s, 1.0, flops_per_s=gpu.peak_flops)
+    if partitioning is Partitioning.WHOLE:
+        return [whole]
+    if partitioning is Partitioning.SHARED:
+        return [Slice(f"gpu/{parts}", gpu.memory_bytes // parts, gpu.memory_bandwidth_bytes_per_s / parts, 1 / parts,
+                      flops_per_s=gpu.peak_flops / parts, gpu_fraction=1 / parts) for parts in SHARED_PARTS] + [whole]
+    if not gpu.profiles:
+        raise PlanError(f"{gpu.name} has no MIG; plan it with --shared (parts of a GPU) or whole GPUs")
     ordered = sorted(gpu.profiles, key=lambda p: (p.memory_bytes, p.num_compute_slices))
     return [Slice(p.name, p.memory_bytes, gpu.memory_bandwidth_bytes_per_s * p.memory_share,
                   max(p.compute_share, p.memory_share), p, gpu.peak_flops * p.compute_share) for p in ordered]
@@ -287,6 +318,8 @@ class ModelPlan:
     decode_step_base_s: float = 0.0
     decode_step_per_seq_s: float = 0.0
     decode_step_per_kv_token_s: float = 0.0
+    # The part of a GPU a replica asks Ray for: below 1 on a shared GPU (slice "gpu/4": 0.25).
+    gpu_fraction: float = 1.0
 
     @property
     def kv_cache_bytes_per_gpu(self) -> int:
@@ -310,12 +343,13 @@ def _tensor_parallel_size(shape: ModelShape, whole_gpu: Slice, inputs: PlanInput
                  and _per_rank_need(shape, inputs, ranks, lora) <= whole_gpu.usable_bytes(inputs)), None)
 
 
-def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, replicas: int = 1,
+def plan_model(shape: ModelShape, gpu: GpuSpec, partitioning: Partitioning, inputs: PlanInputs, replicas: int = 1,
                min_tensor_parallel_size: int = 1, lora: LoraSlots | None = None) -> ModelPlan:
     """Places one model on the smallest slice that holds its weights, LoRA buffers and target KV; without MIG,
     a model no GPU holds is sharded over the fewest GPUs of one node that do (tensor parallelism).
 
     Args:
+        partitioning: whole GPUs, MIG slices, or parts of shared GPUs.
         min_tensor_parallel_size: the model's configured tensor-parallel size, which the plan keeps (or raises,
             where the model does not fit that way).
         lora: the model's LoRA adapter slots, whose buffers take memory beside the weights; None without lora:.
@@ -327,7 +361,8 @@ def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, r
     kv_needed = inputs.concurrency * inputs.context_len * shape.kv_bytes_per_token
     lora_bytes = shape.lora_bytes_per_rank(lora)
     need = shape.weight_bytes + lora_bytes + kv_needed
-    candidates = slices(gpu, mig)
+    mig = partitioning is Partitioning.MIG
+    candidates = slices(gpu, partitioning)
     if mig and min_tensor_parallel_size > 1:
         raise PlanError(f"{shape.name} sets tensor_parallel_size {min_tensor_parallel_size}, which needs whole GPUs "
                         f"(no tensor parallelism across MIG instances); plan it without --mig")
@@ -372,7 +407,8 @@ def plan_model(shape: ModelShape, gpu: GpuSpec, mig: bool, inputs: PlanInputs, r
                      prefill_tokens_per_s=sustained_flops / rank_flops,
                      decode_step_base_s=rank_weights / chosen.bandwidth_bytes_per_s,
                      decode_step_per_seq_s=rank_flops / sustained_flops,
-                     decode_step_per_kv_token_s=rank_kv_per_token / chosen.bandwidth_bytes_per_s)
+                     decode_step_per_kv_token_s=rank_kv_per_token / chosen.bandwidth_bytes_per_s,
+                     gpu_fraction=chosen.gpu_fraction)
 
 
 @dataclass
@@ -402,13 +438,15 @@ def pack(plans: list[ModelPlan], gpu: GpuSpec) -> list[GpuAssignment]:
 
     Greedy: open one GPU at a time with the layout whose slots the remaining replicas fill most
     (by slot memory; ties: the least memory left idle, then the first listed, all-balanced).
-    Whole-GPU plans take one GPU per replica and rank, with MIG disabled.
+    Whole-GPU plans take one GPU per replica and rank, with MIG disabled; parts of shared GPUs are packed
+    as Ray packs them (``_share``).
     """
     items = sorted(((plan.model, plan.slice, plan.need_bytes) for plan in plans for _ in range(plan.replicas)
-                    if plan.slice != "gpu"), key=lambda item: -item[2])
+                    if plan.slice != "gpu" and plan.gpu_fraction == 1), key=lambda item: -item[2])
     # A tensor-parallel replica takes its GPUs whole, one assignment each.
     gpus = [GpuAssignment("all-disabled", [("gpu", plan.model)]) for plan in plans if plan.slice == "gpu"
             for _ in range(plan.replicas * plan.tensor_parallel_size)]
+    gpus += _share([plan for plan in plans if plan.gpu_fraction < 1])
     while items:
         best = None
         for name, layout in gpu.layouts.items():
@@ -426,7 +464,26 @@ def pack(plans: list[ModelPlan], gpu: GpuSpec) -> list[GpuAssignment]:
     return gpus
 
 
-def plan_config(config: PlatformConfig, gpu: GpuSpec, mig: bool, inputs: PlanInputs,
+def _share(plans: list[ModelPlan]) -> list[GpuAssignment]:
+    """Parts of shared GPUs, largest first, each onto the first GPU with room (halvings fill GPUs exactly)."""
+    parts = sorted(((plan.slice, plan.model, round(1 / plan.gpu_fraction)) for plan in plans
+                    for _ in range(plan.replicas)), key=lambda part: part[2])
+    gpus: list[tuple[GpuAssignment, list[int]]] = []  # each GPU and its free eighths
+    for name, model, num_parts in parts:
+        eighths = 8 // num_parts
+        room = next((entry for entry in gpus if entry[1][0] >= eighths), None)
+        if room is None:
+            room = (GpuAssignment("shared"), [8])
+            gpus.append(room)
+        room[0].slots.append((name, model))
+        room[1][0] -= eighths
+    for assignment, free in gpus:
+        if free[0]:
+            assignment.slots.append((f"{free[0]}/8 free", None))
+    return [assignment for assignment, _ in gpus]
+
+
+def plan_config(config: PlatformConfig, gpu: GpuSpec, partitioning: Partitioning, inputs: PlanInputs,
                 context_len: int | None = None, concurrency: int | None = None) -> list[ModelPlan]:
     """Plans every model of a platform config (sources resolved as ``fleetserve serve`` would).
 
@@ -451,7 +508,8 @@ def plan_config(config: PlatformConfig, gpu: GpuSpec, mig: bool, inputs: PlanInp
                           concurrency=concurrency or args.max_num_seqs or inputs.concurrency)
         lora = None if model.lora is None else LoraSlots(model.lora.max_loras, model.lora.max_lora_rank,
                                                          bool(args.extra.get("fully_sharded_loras", False)))
-        plan = plan_model(shape, gpu, mig, targets, sum(_pool_replicas(model).values()), args.tensor_parallel_size,
+        plan = plan_model(shape, gpu, partitioning, targets, sum(_pool_replicas(model).values()),
+                          args.tensor_parallel_size,
                           lora)
         if plan.tensor_parallel_size > 1 and model.disaggregation is not None:
             raise PlanError(f"{model.name} needs {plan.tensor_parallel_size} GPUs per replica (tensor parallelism), "
@@ -475,12 +533,17 @@ def group_name(pool: str, slice_name: str) -> str:
     return f"{pool}-{slice_name.replace('.', '-')}"
 
 
-def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec, mig: bool) -> dict[str, Any]:
+def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec,
+                 partitioning: Partitioning) -> dict[str, Any]:
     """Values for helm/fleetserve: the platform config with each model pinned to its slice, and one
-    worker group per slice with as many pods as replicas planned on it."""
+    worker group per slice with as many pods as replicas planned on it (parts of shared GPUs: as many
+    one-GPU pods as their parts fill)."""
+    mig = partitioning is Partitioning.MIG
     by_model = {plan.model: plan for plan in plans}
     platform = config.model_dump(mode="json", exclude_defaults=True)
     groups: dict[str, dict[str, Any]] = {}
+    # Per group, the pods its replicas fill at first and at most: a pod each, or a part of one on a shared GPU.
+    num_pods: dict[str, list[float]] = {}
     for entry in platform["models"]:
         plan = by_model[entry["name"]]
         # On a GPU this sizes the KV pool: what the slice leaves after the weights (vLLM's
@@ -490,7 +553,9 @@ def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec, m
         if plan.tensor_parallel_size > 1:
             engine_args["tensor_parallel_size"] = plan.tensor_parallel_size
         resources = entry.setdefault("resources", {})
-        resources.update({"num_gpus": plan.tensor_parallel_size})
+        shared = plan.gpu_fraction < 1
+        # A part of a GPU: Ray packs such replicas onto one GPU, and each engine keeps to that part of its memory.
+        resources.update({"num_gpus": plan.gpu_fraction if shared else plan.tensor_parallel_size})
         # CPU core pins mean nothing to a GPU engine; a pool's own pins would outlive the model's otherwise.
         pools = entry.get("disaggregation") or {}
         for pins in (resources, pools.get("prefill") or {}, pools.get("decode") or {}):
@@ -501,16 +566,20 @@ def chart_values(config: PlatformConfig, plans: list[ModelPlan], gpu: GpuSpec, m
         # Both pools of a disaggregated model share its slice size, so they share one worker group: Ray
         # places prefill and decode replicas on any pod offering the slice's resource.
         # Pods of a tensor-parallel model hold all its ranks' GPUs: a group of their own per GPU count.
-        where = plan.slice if mig else ("gpu" if plan.tensor_parallel_size == 1 else f"{plan.tensor_parallel_size}gpu")
+        where = (plan.slice if mig else "shared-gpu" if shared
+                 else "gpu" if plan.tensor_parallel_size == 1 else f"{plan.tensor_parallel_size}gpu")
         name = group_name("colocated" if model.disaggregation is None else "disaggregated", where)
         group = groups.setdefault(name, {"migProfile": plan.slice if mig else "", "replicas": 0, "minReplicas": 0,
                                          "maxReplicas": 0, "cpu": "8", "memory": "32Gi"})
         if plan.tensor_parallel_size > 1:
             group["numGpus"] = plan.tensor_parallel_size
-        group["replicas"] += sum(_pool_replicas(model, at_most=False).values())
-        group["maxReplicas"] += plan.replicas
+        counts = num_pods.setdefault(name, [0.0, 0.0])
+        counts[0] += plan.gpu_fraction * sum(_pool_replicas(model, at_most=False).values())
+        counts[1] += plan.gpu_fraction * plan.replicas
         # Host memory to stage the weights while loading: 1.5x the weights, at least 32 GiB.
         memory_gib = max(32, math.ceil(plan.weight_bytes * 1.5 / GiB))
         group["memory"] = f"{max(memory_gib, int(group['memory'].removesuffix('Gi')))}Gi"
+    for name, (initial, most) in num_pods.items():
+        groups[name].update({"replicas": math.ceil(initial), "maxReplicas": math.ceil(most)})
     return {"platform": platform, "gpu": {"migStrategy": "mixed" if mig else "none", "product": gpu.product},
             "workerGroups": groups}

@@ -26,7 +26,9 @@ def vllm_batch_defaults(device_memory_bytes: int, gpu_name: str) -> tuple[int, i
 def replica_profile(plan: ModelPlan, model: ModelConfig, gpu: GpuSpec) -> ReplicaProfile:
     """What one replica of ``model`` does where ``plan`` put it: the plan's KV capacity, prefill and decode
     costs and cold start, and the engine's batch limits (the config's, else vLLM's defaults there)."""
-    memory = gpu.memory_bytes if plan.slice == "gpu" else gpu.profile(plan.slice).memory_bytes
+    # A MIG instance is a device of its own memory to vLLM; a part of a shared GPU sees the whole GPU.
+    mig = plan.slice in {profile.name for profile in gpu.profiles}
+    memory = gpu.profile(plan.slice).memory_bytes if mig else gpu.memory_bytes
     default_seqs, default_tokens = vllm_batch_defaults(memory, gpu.name)
     args = model.serving_model().engine_args
     return ReplicaProfile(kv_capacity_tokens=plan.kv_capacity_tokens, prefill_tokens_per_s=plan.prefill_tokens_per_s,

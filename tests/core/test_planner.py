@@ -17,6 +17,7 @@ from fleetserve.ops.planner import (
     GiB,
     LoraSlots,
     ModelPlan,
+    Partitioning,
     PlanError,
     PlanInputs,
     chart_values,
@@ -34,10 +35,14 @@ LLAMA_3_8B = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 1
               "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 LLAMA_3_70B = {**LLAMA_3_8B, "hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
                "num_attention_heads": 64}
+QWEN2_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+             "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+             "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
 QWEN2_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
             "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 INPUTS = PlanInputs(context_len=4096, concurrency=8)
+MIG, WHOLE, SHARED = Partitioning.MIG, Partitioning.WHOLE, Partitioning.SHARED
 
 
 def folder(tmp_path: Path, name: str, config: dict) -> Path:
@@ -71,7 +76,7 @@ def test_kv_bytes_per_token(tmp_path, config, expected):
 
 def test_llama_3_8b_on_h100_mig_takes_3g_40gb(tmp_path):
     shape = model_shape("llama-3-8b", folder(tmp_path, "l", LLAMA_3_8B))
-    plan = plan_model(shape, gpu("h100-80gb"), True, INPUTS)
+    plan = plan_model(shape, gpu("h100-80gb"), MIG, INPUTS)
     # weights 8,030,261,248 * 2 = 16,060,522,496; KV 8 * 4096 * 131,072 = 4,294,967,296; need 20,355,489,792.
     assert plan.weight_bytes == 16_060_522_496 and plan.need_bytes == 20_355_489_792
     # usable = memory * 0.9 - 1 GiB: 2g.20gb 16,926,258,176 < need <= 3g.40gb 34,926,258,176.
@@ -88,7 +93,7 @@ def test_llama_3_8b_on_h100_mig_takes_3g_40gb(tmp_path):
 
 
 def test_a_planned_replica_becomes_the_simulators_replica_profile(tmp_path):
-    plan = plan_model(model_shape("llama-3-8b", folder(tmp_path, "l", LLAMA_3_8B)), gpu("h100-80gb"), True, INPUTS)
+    plan = plan_model(model_shape("llama-3-8b", folder(tmp_path, "l", LLAMA_3_8B)), gpu("h100-80gb"), MIG, INPUTS)
     # KV: (34,926,258,176 usable - 16,060,522,496 weights) // 131,072 per token = 143,934 tokens.
     assert plan.kv_capacity_tokens == 143_934
     # 989e12 FLOP/s x 3/7 compute slices x 0.3 efficiency = 127.157e12 sustained; a token is 2 x 8,030,261,248
@@ -125,7 +130,7 @@ def test_vllm_batch_defaults_follow_the_device_memory(gpu_name, slice_name, expe
 
 def test_qwen2_7b_on_h200_mig_takes_1g_35gb(tmp_path):
     shape = model_shape("qwen2-7b", folder(tmp_path, "q", QWEN2_7B))
-    plan = plan_model(shape, gpu("h200-141gb"), True, INPUTS)
+    plan = plan_model(shape, gpu("h200-141gb"), MIG, INPUTS)
     # need 15,231,233,024 + 8 * 4096 * 57,344 = 17,110,281,216; 1g.18gb holds 15,126,258,176, 1g.35gb 30,426,258,176.
     assert plan.need_bytes == 17_110_281_216
     assert plan.slice == "1g.35gb"
@@ -133,16 +138,16 @@ def test_qwen2_7b_on_h200_mig_takes_1g_35gb(tmp_path):
 
 def test_quantized_70b_fits_a_whole_h100_slice_but_bf16_misses_by_its_excess(tmp_path):
     path = folder(tmp_path, "l70", LLAMA_3_70B)
-    awq = plan_model(model_shape("llama-3-70b-awq", path, quantization="awq"), gpu("h100-80gb"), True, INPUTS)
+    awq = plan_model(model_shape("llama-3-70b-awq", path, quantization="awq"), gpu("h100-80gb"), MIG, INPUTS)
     # 70,553,706,496 * 0.53 = 37,393,464,443 weights + 10,737,418,240 KV = 48,130,882,683 > 4g.40gb's 34.9e9.
     assert awq.slice == "7g.80gb"
     bf16 = model_shape("llama-3-70b", path)
     # need 141,107,412,992 + 10,737,418,240 = 151,844,831,232; 7g.80gb usable 70,926,258,176: short 75.4 GiB.
     with pytest.raises(PlanError, match=r"needs 141.4 GiB .* offers 66.1 GiB usable: short by 75.4 GiB"):
-        plan_model(bf16, gpu("h100-80gb"), True, INPUTS)
+        plan_model(bf16, gpu("h100-80gb"), MIG, INPUTS)
     # A whole H200 (125,826,258,176 usable) misses by 151,844,831,232 - 125,826,258,176 = 24.2 GiB, so the plan
     # shards it (next test).
-    assert plan_model(bf16, gpu("h200-141gb"), False, INPUTS).tensor_parallel_size == 2
+    assert plan_model(bf16, gpu("h200-141gb"), WHOLE, INPUTS).tensor_parallel_size == 2
 
 
 @pytest.mark.parametrize(("gpu_name", "ranks", "kv_per_gpu", "max_seqs"), [
@@ -155,7 +160,7 @@ def test_quantized_70b_fits_a_whole_h100_slice_but_bf16_misses_by_its_excess(tmp
     ("h200-141gb", 2, 55_272_551_680, 82),
 ])
 def test_a_model_no_gpu_holds_is_sharded_over_the_fewest_gpus_that_do(tmp_path, gpu_name, ranks, kv_per_gpu, max_seqs):
-    plan = plan_model(model_shape("llama-3-70b", folder(tmp_path, "m", LLAMA_3_70B)), gpu(gpu_name), False, INPUTS)
+    plan = plan_model(model_shape("llama-3-70b", folder(tmp_path, "m", LLAMA_3_70B)), gpu(gpu_name), WHOLE, INPUTS)
     assert (plan.slice, plan.tensor_parallel_size) == ("gpu", ranks)
     assert (plan.kv_cache_bytes_per_gpu, plan.max_concurrent_seqs) == (kv_per_gpu, max_seqs)
     # Each rank holds and computes its share, side by side: the step reads one rank's weights (2 bytes a
@@ -173,7 +178,7 @@ def test_lora_buffers_take_their_room_from_the_kv_cache(tmp_path):
     # down 14336+4096 = 81,920; x 32 layers = 2,621,440; embedding and LM head 2 x (128,256 + 4,096) = 264,704;
     # 2,886,144 x rank 64 x 4 slots x 2 bytes (bf16) = 1,477,705,728.
     assert shape.lora_bytes_per_rank(LoraSlots(max_loras=4, max_lora_rank=64)) == 1_477_705_728
-    plan = plan_model(shape, gpu("h100-80gb"), True, INPUTS, lora=LoraSlots(max_loras=4, max_lora_rank=64))
+    plan = plan_model(shape, gpu("h100-80gb"), MIG, INPUTS, lora=LoraSlots(max_loras=4, max_lora_rank=64))
     # need 16,060,522,496 + 1,477,705,728 + 4,294,967,296 = 21,833,195,520: still 3g.40gb (34,926,258,176).
     assert (plan.slice, plan.need_bytes, plan.lora_bytes_per_gpu) == ("3g.40gb", 21_833_195_520, 1_477_705_728)
     # KV: 34,926,258,176 - 16,060,522,496 - 1,477,705,728 = 17,388,029,952 (18,865,735,680 without adapters),
@@ -185,8 +190,8 @@ def test_plan_config_sizes_lora_buffers_from_the_models_lora_section(tmp_path):
     config = planned_models(tmp_path, llama=(LLAMA_3_8B, 1))
     entry = config.models[0].model_dump(mode="json")
     with_adapters = parse_config({"models": [{**entry, "lora": {"max_loras": 4, "max_lora_rank": 64}}]})
-    [plain] = plan_config(config, gpu("h100-80gb"), True, PlanInputs())
-    [adapted] = plan_config(with_adapters, gpu("h100-80gb"), True, PlanInputs())
+    [plain] = plan_config(config, gpu("h100-80gb"), MIG, PlanInputs())
+    [adapted] = plan_config(with_adapters, gpu("h100-80gb"), MIG, PlanInputs())
     # The chart's kv_cache_memory_bytes leaves the buffers their room: vLLM allocates them beside an explicit KV pool.
     assert plain.kv_cache_bytes_per_gpu - adapted.kv_cache_bytes_per_gpu == 1_477_705_728
 
@@ -197,7 +202,7 @@ def test_plan_config_reads_fully_sharded_loras_from_the_engine_args(tmp_path):
     lora = {"max_loras": 4, "max_lora_rank": 64}
     engine_args = {**entry["engine_args"], "tensor_parallel_size": 2}
     default, sharded = (plan_config(parse_config({"models": [{**entry, "lora": lora, "engine_args": {
-        **engine_args, "extra": extra}}]}), gpu("h100-80gb"), False, PlanInputs())[0]
+        **engine_args, "extra": extra}}]}), gpu("h100-80gb"), WHOLE, PlanInputs())[0]
         for extra in ({}, {"fully_sharded_loras": True}))
     # Per layer, two ranks also halve A in q, k, v, gate, up (5 x 4,096 / 2) and B in o, down (2 x 4,096 / 2):
     # 14,336 fewer; x 32 layers x rank 64 x 4 slots x 2 bytes = 234,881,024 bytes less on each GPU.
@@ -241,16 +246,16 @@ def test_sharding_needs_sizes_that_divide_the_attention_heads(tmp_path):
     # 9 heads: no size of 2, 4 or 8 divides them, so a model no GPU holds cannot be sharded either.
     odd = {**LLAMA_3_70B, "num_attention_heads": 9, "num_key_value_heads": 9, "head_dim": 128}
     with pytest.raises(PlanError, match=r"Nor does it fit sharded over up to 8 GPUs of one node .* its 9 attention"):
-        plan_model(model_shape("odd", folder(tmp_path, "m", odd)), gpu("h100-80gb"), False, INPUTS)
+        plan_model(model_shape("odd", folder(tmp_path, "m", odd)), gpu("h100-80gb"), WHOLE, INPUTS)
 
 
 def test_a_configured_tensor_parallel_size_is_kept_and_refused_on_mig(tmp_path):
     shape = model_shape("llama-3-8b", folder(tmp_path, "m", LLAMA_3_8B))
     # The 8B fits one H100, but the config asks for 2 ranks: the plan keeps them.
-    plan = plan_model(shape, gpu("h100-80gb"), False, INPUTS, min_tensor_parallel_size=2)
+    plan = plan_model(shape, gpu("h100-80gb"), WHOLE, INPUTS, min_tensor_parallel_size=2)
     assert plan.tensor_parallel_size == 2
     with pytest.raises(PlanError, match="tensor_parallel_size 2, which needs whole GPUs"):
-        plan_model(shape, gpu("h100-80gb"), True, INPUTS, min_tensor_parallel_size=2)
+        plan_model(shape, gpu("h100-80gb"), MIG, INPUTS, min_tensor_parallel_size=2)
 
 
 def plan_factory(model: str, slice_name: str, replicas: int = 1, need_bytes: int = GiB) -> ModelPlan:
@@ -279,8 +284,9 @@ def test_packing_uses_only_valid_layouts_and_places_every_replica():
     assert len(gpus) == 4
 
 
-def test_every_gpu_has_six_profiles_and_balanced_layout_fits_its_slices():
-    for spec in GPUS.values():
+def test_every_mig_gpu_has_six_profiles_and_balanced_layout_fits_its_slices():
+    assert sorted(name for name, spec in GPUS.items() if not spec.profiles) == ["l4-24gb", "l40s-48gb"]
+    for spec in (spec for spec in GPUS.values() if spec.profiles):
         assert len(spec.profiles) == 6
         balanced = spec.layouts["all-balanced"]
         assert sum(spec.profile(p).num_compute_slices for p in balanced) <= 7
@@ -305,9 +311,9 @@ def rendered_rayservice(values: dict) -> dict:
 def test_plan_config_emits_values_the_chart_accepts(tmp_path):
     config = planned_models(tmp_path, llama=(LLAMA_3_8B, 2), qwen=(QWEN2_7B, 1))
     spec = gpu("h100-80gb")
-    plans = plan_config(config, spec, True, PlanInputs())
+    plans = plan_config(config, spec, MIG, PlanInputs())
     assert [plan.slice for plan in plans] == ["3g.40gb", "3g.40gb"]  # qwen needs 17.1e9 > 2g.20gb's 16.9e9
-    values = chart_values(config, plans, spec, True)
+    values = chart_values(config, plans, spec, MIG)
     assert values["workerGroups"] == {"colocated-3g-40gb": {
         "migProfile": "3g.40gb", "replicas": 3, "minReplicas": 0, "maxReplicas": 3, "cpu": "8", "memory": "32Gi"}}
     llama = values["platform"]["models"][0]
@@ -317,6 +323,36 @@ def test_plan_config_emits_values_the_chart_accepts(tmp_path):
     service = rendered_rayservice(values)
     served = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]["platform"]
     assert parse_config(served).model("llama").resources.custom_resources == {"mig-3g.40gb": 1}
+
+
+def test_small_models_take_parts_of_a_shared_gpu_without_mig(tmp_path):
+    config = planned_models(tmp_path, qwen=(QWEN2_05B, 9), llama=(LLAMA_3_8B, 1))
+    spec = gpu("l40s-48gb")
+    qwen, llama = plan_config(config, spec, SHARED, PlanInputs())
+    # Qwen2-0.5B: 494,032,768 params (tied head) x 2 B = 988,065,536 B of weights; KV 2 x 24 x 2 x 64 x 2 = 12,288
+    # B a token, x 8 x 4096 = 402,653,184; need 1,390,718,720 <= an eighth's 6e9 x 0.9 - 1 GiB = 4,326,258,176.
+    assert (qwen.slice, qwen.gpu_fraction, qwen.slice_usable_bytes) == ("gpu/8", 0.125, 4_326_258_176)
+    # Llama-3-8B needs 20,355,489,792 <= a half's 24e9 x 0.9 - 1 GiB = 20,526,258,176 (a quarter's 9.7e9 is short).
+    assert (llama.slice, llama.gpu_fraction) == ("gpu/2", 0.5)
+    # Halvings pack exactly: the half and four eighths fill one GPU, the other five eighths the next.
+    assert [(gpu_.layout, gpu_.slots) for gpu_ in pack([qwen, llama], spec)] == [
+        ("shared", [("gpu/2", "llama")] + [("gpu/8", "qwen")] * 4),
+        ("shared", [("gpu/8", "qwen")] * 5 + [("3/8 free", None)])]
+    values = chart_values(config, [qwen, llama], spec, SHARED)
+    # 9 x 1/8 + 1/2 = 1.625 GPUs: two one-GPU pods.
+    assert values["workerGroups"] == {"colocated-shared-gpu": {
+        "migProfile": "", "replicas": 2, "minReplicas": 0, "maxReplicas": 2, "cpu": "8", "memory": "32Gi"}}
+    entry = values["platform"]["models"][0]
+    # The KV pool is what the eighth leaves: 4,326,258,176 - 988,065,536 = 3,338,192,640 bytes.
+    assert entry["resources"] == {"num_gpus": 0.125}
+    assert entry["engine_args"]["kv_cache_memory_bytes"] == 3_338_192_640
+    served = yaml.safe_load(rendered_rayservice(values)["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert parse_config(served["platform"]).model("qwen").resources.num_gpus == 0.125
+
+
+def test_a_gpu_without_mig_refuses_a_mig_plan(tmp_path):
+    with pytest.raises(PlanError, match="l4-24gb has no MIG; plan it with --shared"):
+        plan_model(model_shape("q", folder(tmp_path, "q", QWEN2_05B)), gpu("l4-24gb"), MIG, INPUTS)
 
 
 def test_plan_json_on_stdout_is_the_json_alone(tmp_path):
@@ -359,7 +395,7 @@ def test_emitted_profiles_replay_in_the_simulator(tmp_path):
 def test_a_sharded_model_gets_a_group_whose_pods_hold_all_its_gpus(tmp_path):
     config = planned_models(tmp_path, big=(LLAMA_3_70B, 2), small=(LLAMA_3_8B, 1))
     spec = gpu("h100-80gb")
-    values = chart_values(config, plan_config(config, spec, False, PlanInputs()), spec, False)
+    values = chart_values(config, plan_config(config, spec, WHOLE, PlanInputs()), spec, WHOLE)
     # Host memory: 1.5 x 141,107,412,992 bytes of weights = 197.1 GiB, rounded up to 198.
     assert values["workerGroups"] == {
         "colocated-4gpu": {"migProfile": "", "replicas": 2, "minReplicas": 0, "maxReplicas": 2, "cpu": "8",
@@ -380,7 +416,7 @@ def test_a_disaggregated_model_that_needs_sharding_is_refused(tmp_path):
                                        "engine_args": {"max_model_len": 4096, "max_num_seqs": 8},
                                        "disaggregation": {"prefill": {}, "decode": {}}}]})
     with pytest.raises(PlanError, match="big needs 4 GPUs per replica .* disaggregated models do not support yet"):
-        plan_config(config, gpu("h100-80gb"), False, PlanInputs())
+        plan_config(config, gpu("h100-80gb"), WHOLE, PlanInputs())
 
 
 def test_disaggregated_model_plans_both_pools_on_one_group(tmp_path):
@@ -392,10 +428,10 @@ def test_disaggregated_model_plans_both_pools_on_one_group(tmp_path):
                             "decode": {"replicas": 2, "cpu_binding": ["1"],
                                        "autoscaling": {"min_replicas": 1, "max_replicas": 4}}}}]})
     spec = gpu("h100-80gb")
-    plans = plan_config(config, spec, True, PlanInputs())
+    plans = plan_config(config, spec, MIG, PlanInputs())
     # 1 prefill + at most 4 decode replicas, each on its own 3g.40gb slice.
     assert [(plan.slice, plan.replicas) for plan in plans] == [("3g.40gb", 5)]
-    values = chart_values(config, plans, spec, True)
+    values = chart_values(config, plans, spec, MIG)
     # Starts with 1 prefill + 2 decode pods; grows to 5.
     assert values["workerGroups"] == {"disaggregated-3g-40gb": {
         "migProfile": "3g.40gb", "replicas": 3, "minReplicas": 0, "maxReplicas": 5, "cpu": "8", "memory": "32Gi"}}
@@ -416,7 +452,7 @@ def test_models_that_start_at_zero_start_their_worker_group_with_no_pod(tmp_path
         {"name": name, "source": str(folder(tmp_path, name, LLAMA_3_8B)),
          "engine_args": {"max_model_len": 4096, "max_num_seqs": 8}, **zero} for name in ("ft-a", "ft-b")]})
     spec = gpu("h100-80gb")
-    values = chart_values(config, plan_config(config, spec, True, PlanInputs()), spec, True)
+    values = chart_values(config, plan_config(config, spec, MIG, PlanInputs()), spec, MIG)
     # No pod until a model wakes; KubeRay's autoscaler adds one per woken replica, up to 2 + 2.
     assert values["workerGroups"] == {"colocated-3g-40gb": {
         "migProfile": "3g.40gb", "replicas": 0, "minReplicas": 0, "maxReplicas": 4, "cpu": "8", "memory": "32Gi"}}
