@@ -135,7 +135,7 @@ def deployment_options(model: ModelConfig, server: ServerConfig) -> dict[str, An
         actor_options["resources"] = dict(resources.custom_resources)
     options: dict[str, Any] = {
         "name": deployment_name(model),
-        "max_ongoing_requests": model.max_ongoing_requests,
+        "max_ongoing_requests": model.ongoing_requests_limit,
         "ray_actor_options": _with_runtime_env(actor_options, server),
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,

@@ -40,6 +40,23 @@ def test_deployment_options_come_from_config():
     assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
 
 
+@pytest.mark.parametrize(("model", "expected"), [
+    ({}, 2048),  # vLLM picks max_num_seqs, up to 1024 (an H100 API server's): twice that
+    ({"engine_args": {"max_num_seqs": 64}}, 256),  # twice 64 is 128: at least 256
+    ({"engine_args": {"max_num_seqs": 512}}, 1024),  # twice 512
+    ({"engine_args": {"max_num_seqs": 512}, "max_ongoing_requests": 600}, 600),  # the config's
+])
+def test_a_replica_holds_more_requests_than_its_engine_runs(model, expected):
+    config = parse_config({"models": [{"name": "m", "source": "x", **model}]})
+    assert deployment_options(config.models[0], config.server)["max_ongoing_requests"] == expected
+
+
+def test_a_replica_that_could_never_fill_its_engines_batch_is_refused():
+    pools = {"prefill": {"replicas": 1, "engine_args": {"max_num_seqs": 300}}, "decode": {"replicas": 1}}
+    with pytest.raises(ConfigError, match="max_ongoing_requests 256 is below the prefill engine's max_num_seqs 300"):
+        parse_config({"models": [{"name": "m", "source": "x", "max_ongoing_requests": 256, "disaggregation": pools}]})
+
+
 @pytest.mark.parametrize(("data", "expected"), [
     ({"models": [{"name": "m", "source": "x", "engine_args": {"max_model_lenn": 5}}]},
      "models.0.engine_args.max_model_lenn: unknown key"),

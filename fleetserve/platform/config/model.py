@@ -14,6 +14,11 @@ from fleetserve.platform.config.lora import LoraConfig
 from fleetserve.platform.config.routing import RoutingConfig
 
 
+# Serve's max_ongoing_requests for an engine replica whose config sets a small max_num_seqs: room for requests
+# waiting in the engine as well as running.
+DEFAULT_ONGOING_REQUESTS = 256
+# The largest max_num_seqs vLLM 0.32 picks for an API server's engine where the config leaves it (H100, H200).
+VLLM_MAX_DEFAULT_NUM_SEQS = 1024
 # Engine args a replica's shape depends on, which the platform owns, and why each is refused in ``extra``.
 PARALLELISM_OWNED = {
     "distributed_executor_backend": "the platform runs a replica's ranks with vLLM's multiprocessing executor",
@@ -37,8 +42,10 @@ class ModelConfig(Strict):
     # vLLM's OpenAI server options (tool calling, chat template, reasoning parser) in every replica.
     api: ApiConfig = Field(default_factory=ApiConfig)
     resources: Resources = Field(default_factory=Resources)
-    # Requests one replica holds at once before Serve queues them in front of it.
-    max_ongoing_requests: int = Field(default=256, gt=0)
+    # Requests one replica holds at once before Serve queues them in front of it; at least the engine's
+    # max_num_seqs, or the engine never fills its batch. None: twice max_num_seqs, at least 256; where vLLM
+    # picks max_num_seqs (up to 1024 on an H100), 2048.
+    max_ongoing_requests: int | None = Field(default=None, gt=0)
     # Seconds a replica's engine may hold unfinished requests without finishing a step before the replica
     # counts as unhealthy and Serve replaces it: a hung kernel or collective neither dies nor errs. None: never.
     stall_timeout_s: float | None = Field(default=120.0, gt=0)
@@ -117,36 +124,6 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _check_gpu_share(self) -> ModelConfig:
-        share = self.resources.num_gpus
-        if not 0 < share < 1:
-            return self
-        for pool in self.pools():
-            utilization = self.pool_model(pool).engine_args.extra.get("gpu_memory_utilization")
-            if isinstance(utilization, (int, float)) and utilization > share:
-                where = "" if pool == "colocated" else f"disaggregation.{pool}."
-                raise ValueError(f"{where}engine_args.extra.gpu_memory_utilization {utilization:g} is more than "
-                                 f"resources.num_gpus {share:g}: Ray packs replicas on parts of a GPU onto one GPU, "
-                                 f"and vLLM's utilization is each engine's part of the whole GPU, so the next engine "
-                                 f"there would not start. Set it at most {share:g}, or leave it out for {share:g} x "
-                                 f"vLLM's default")
-        return self
-
-    @property
-    def adapter_names(self) -> list[str]:
-        """The names of the adapters configured under this base (empty without lora)."""
-        return [adapter.name for adapter in self.lora.adapters] if self.lora is not None else []
-
-    @property
-    def schedules_by_priority(self) -> bool:
-        """Whether the engines order their queue by request priority (vLLM's scheduling_policy ``priority``)."""
-        return self.engine_args.extra.get("scheduling_policy") == "priority"
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.AsyncEngineArgs``: the engine args plus the LoRA limits."""
-        return {**self.engine_args.to_vllm_kwargs(), **(self.lora.engine_kwargs() if self.lora else {})}
-
-    @model_validator(mode="after")
     def _check_disaggregation(self) -> ModelConfig:
         pd = self.disaggregation
         if pd is None:
@@ -178,6 +155,55 @@ class ModelConfig(Strict):
             raise ValueError(f"disaggregation: prefill and decode engine_args must agree on the KV layout; "
                              f"they differ in {differ} (prefill, decode)")
         return self
+
+    @model_validator(mode="after")
+    def _check_ongoing_requests(self) -> ModelConfig:
+        for pool in self.pools():
+            seqs = self.pool_model(pool).engine_args.max_num_seqs
+            if self.max_ongoing_requests is not None and seqs is not None and self.max_ongoing_requests < seqs:
+                raise ValueError(f"max_ongoing_requests {self.max_ongoing_requests} is below the {pool} engine's "
+                                 f"max_num_seqs {seqs}: Serve would never send it more, and its batch would never "
+                                 f"fill; lower engine_args.max_num_seqs instead")
+        return self
+
+    @property
+    def ongoing_requests_limit(self) -> int:
+        """Requests one replica holds at once (Serve's max_ongoing_requests): the config's, else twice the engine's
+        max_num_seqs (at least 256), else twice the largest max_num_seqs vLLM picks for an API server (1024)."""
+        if self.max_ongoing_requests is not None:
+            return self.max_ongoing_requests
+        seqs = self.engine_args.max_num_seqs
+        return max(DEFAULT_ONGOING_REQUESTS, 2 * seqs) if seqs is not None else 2 * VLLM_MAX_DEFAULT_NUM_SEQS
+
+    @model_validator(mode="after")
+    def _check_gpu_share(self) -> ModelConfig:
+        share = self.resources.num_gpus
+        if not 0 < share < 1:
+            return self
+        for pool in self.pools():
+            utilization = self.pool_model(pool).engine_args.extra.get("gpu_memory_utilization")
+            if isinstance(utilization, (int, float)) and utilization > share:
+                where = "" if pool == "colocated" else f"disaggregation.{pool}."
+                raise ValueError(f"{where}engine_args.extra.gpu_memory_utilization {utilization:g} is more than "
+                                 f"resources.num_gpus {share:g}: Ray packs replicas on parts of a GPU onto one GPU, "
+                                 f"and vLLM's utilization is each engine's part of the whole GPU, so the next engine "
+                                 f"there would not start. Set it at most {share:g}, or leave it out for {share:g} x "
+                                 f"vLLM's default")
+        return self
+
+    @property
+    def adapter_names(self) -> list[str]:
+        """The names of the adapters configured under this base (empty without lora)."""
+        return [adapter.name for adapter in self.lora.adapters] if self.lora is not None else []
+
+    @property
+    def schedules_by_priority(self) -> bool:
+        """Whether the engines order their queue by request priority (vLLM's scheduling_policy ``priority``)."""
+        return self.engine_args.extra.get("scheduling_policy") == "priority"
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.AsyncEngineArgs``: the engine args plus the LoRA limits."""
+        return {**self.engine_args.to_vllm_kwargs(), **(self.lora.engine_kwargs() if self.lora else {})}
 
     @property
     def max_serving_replicas(self) -> int:
