@@ -44,6 +44,9 @@ logger = logging.getLogger(__name__)
 # Seconds a prefill pool's replica count is reused before Serve is asked again; also how often a decode
 # replica waiting on a prefill looks whether the pool is still there.
 POOL_CHECK_PERIOD_S = 2.0
+# The longest a wake call waits in Serve's queue for a prefill pool at zero to start a replica; a later prompt
+# that finds the pool still empty sends another.
+WAKE_TIMEOUT_S = 600.0
 # The Retry-After of a 503 the prefill pool caused: Serve finds and replaces a failed prefill replica no
 # sooner than one health check (a pool starting from zero takes its cold start).
 PREFILL_RETRY_AFTER_S = HEALTH_CHECK_PERIOD_S
@@ -56,6 +59,10 @@ class PrefillClient(Protocol):
 
     async def num_running_replicas(self) -> int | None:
         """Prefill replicas running now; None while unknown."""
+        ...
+
+    def wake(self) -> None:
+        """Asks a pool at zero for a replica, without waiting for it."""
         ...
 
 
@@ -91,6 +98,9 @@ class LocalPrefillClient:
     async def num_running_replicas(self) -> int | None:
         return len(self.servers)
 
+    def wake(self) -> None:
+        """In-process servers are all there is: nothing to start."""
+
 
 class HandlePrefillClient:
     """The prefill deployment through its Serve handle; the pool's request router picks the replica.
@@ -104,6 +114,24 @@ class HandlePrefillClient:
         self.handle = handle.options(**data_path_handle_options())
         self._num_running: int | None = None
         self._checked_at = -POOL_CHECK_PERIOD_S
+        # The outstanding wake call, if any: one at a time.
+        self._wake: asyncio.Task[None] | None = None
+
+    def wake(self) -> None:
+        """Sends the pool one call that Serve queues while it has no replica, which its autoscaling policy reads
+        as demand (reason ``wake``): with its decode replicas prefilling locally, nothing else would reach it."""
+        if self._wake is None or self._wake.done():
+            self._wake = asyncio.ensure_future(self._call_wake())
+
+    async def _call_wake(self) -> None:
+        response = self.handle.wake.remote()
+        try:
+            await asyncio.wait_for(response, WAKE_TIMEOUT_S)
+        except TimeoutError:
+            response.cancel()
+            logger.warning("the prefill pool did not start a replica within %g s of a wake call", WAKE_TIMEOUT_S)
+        except Exception as error:  # noqa: BLE001 - a failed wake is retried by the next prompt that finds none
+            logger.warning("a wake call to the prefill pool failed: %s", error)
 
     async def num_running_replicas(self) -> int | None:
         """The prefill deployment's RUNNING replicas in Serve's status, at most POOL_CHECK_PERIOD_S old."""
@@ -160,6 +188,9 @@ class DecodeServer(EngineServer):
         self.settings = model.disaggregation
         # Whether the last prompt was prefilled here for want of a prefill replica (logged on each change).
         self._prefilling_locally = False
+        # A prefill pool that scales to zero gets no prefill while empty, so a prompt that finds it empty wakes it.
+        scaling = self.settings.prefill.autoscaling
+        self._prefill_scales_to_zero = scaling is not None and scaling.min_replicas == 0
 
     async def _remote_prefill(self, request: ApiRequest, payload: dict[str, Any]) -> PrefillResult:
         """The prefill pool's KV for the request's prompt, tried up to max_prefill_attempts times.
@@ -227,6 +258,8 @@ class DecodeServer(EngineServer):
         Raises:
             EngineRequestError: the pool has no running replica and the model refuses then (503).
         """
+        if not running and self._prefill_scales_to_zero:
+            self.prefill_client.wake()
         if not running and self.settings.prefill_pool_empty == "refuse":
             raise _unavailable(f"the prefill pool has no running replica; retry after {PREFILL_RETRY_AFTER_S} s")
         if running == self._prefilling_locally:  # the pool's state changed

@@ -93,6 +93,10 @@ class PrefillServer(EngineServer):
     def __init__(self, model: ModelConfig, *, kv_transfer: KVTransferSpec, **kwargs: Any) -> None:
         super().__init__(model, kv_transfer=kv_transfer, **kwargs)
 
+    async def wake(self) -> None:
+        """Nothing: a decode replica calls it to start this pool from zero (Serve queues the call until a
+        replica runs, and the pool's autoscaling policy reads queued calls as demand)."""
+
     async def prefill(self, request: ApiRequest) -> PrefillResult:
         """Computes the prompt's KV and keeps it for a decode engine.
 
