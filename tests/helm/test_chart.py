@@ -249,7 +249,7 @@ def test_the_model_cache_takes_a_claim_or_can_be_left_out():
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "fleetserve-cache"}} \
         in head["template"]["spec"]["volumes"]
     head = find(render({"modelCache": {"enabled": False}}), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
-    assert [volume["name"] for volume in head["template"]["spec"]["volumes"]] == ["api-keys"]
+    assert [volume["name"] for volume in head["template"]["spec"]["volumes"]] == ["api-keys", "dshm"]
     assert "env" not in head["template"]["spec"]["containers"][0]
 
 
@@ -261,10 +261,33 @@ def test_extra_volumes_mount_in_every_pod_beside_the_charts_own():
     cluster = service["spec"]["rayClusterConfig"]
     for pod in [cluster["headGroupSpec"]["template"]["spec"],
                 *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]:
-        assert [volume["name"] for volume in pod["volumes"]] == ["api-keys", "model-cache", "routers"]
+        assert [volume["name"] for volume in pod["volumes"]] == ["api-keys", "model-cache", "dshm", "routers"]
         assert pod["volumes"][-1] == claim
         assert pod["containers"][0]["volumeMounts"][-1] == mount
     jsonschema_validate_rayservice(service)
+
+
+@pytest.mark.parametrize(("shared_memory", "volume"), [
+    ({}, {"name": "dshm", "emptyDir": {"medium": "Memory"}}),
+    ({"sizeLimit": "16Gi"}, {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}),
+    ({"enabled": False}, None),
+])
+def test_every_pod_gets_a_memory_backed_dev_shm_unless_told_not_to(shared_memory, volume):
+    service = find(render({"workerGroups": {"colocated-3g-40gb": MIG_GROUP}, "sharedMemory": shared_memory}),
+                   "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"]["template"]["spec"],
+                *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]:
+        volumes = {entry["name"]: entry for entry in pod["volumes"]}
+        mounts = {entry["mountPath"]: entry["name"] for entry in pod["containers"][0]["volumeMounts"]}
+        assert volumes.get("dshm") == volume
+        assert mounts.get("/dev/shm") == (None if volume is None else "dshm")
+    jsonschema_validate_rayservice(service)
+
+
+def test_a_shared_memory_size_must_be_a_kubernetes_quantity():
+    with pytest.raises(Exception, match="sizeLimit"):
+        render({"sharedMemory": {"sizeLimit": "lots"}})
 
 
 @pytest.mark.parametrize("server", [{}, {"serve_fast_path": True}, {"serve_fast_path": False}])

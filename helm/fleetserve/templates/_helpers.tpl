@@ -99,6 +99,10 @@ volumeMounts:
   - name: model-cache
     mountPath: /var/cache/fleetserve
   {{- end }}
+  {{- if .Values.sharedMemory.enabled }}
+  - name: dshm
+    mountPath: /dev/shm
+  {{- end }}
   {{- with .Values.extraVolumeMounts }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
@@ -116,6 +120,14 @@ volumeMounts:
   {{- else }}
   hostPath: {path: {{ .Values.modelCache.hostPath | quote }}, type: DirectoryOrCreate}
   {{- end }}
+{{- end }}
+{{- if .Values.sharedMemory.enabled }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    {{- with .Values.sharedMemory.sizeLimit }}
+    sizeLimit: {{ . | quote }}
+    {{- end }}
 {{- end }}
 {{- with .Values.extraVolumes }}
 {{ toYaml . }}
