@@ -468,19 +468,21 @@ def _share(plans: list[ModelPlan]) -> list[GpuAssignment]:
     """Parts of shared GPUs, largest first, each onto the first GPU with room (halvings fill GPUs exactly)."""
     parts = sorted(((plan.slice, plan.model, round(1 / plan.gpu_fraction)) for plan in plans
                     for _ in range(plan.replicas)), key=lambda part: part[2])
-    gpus: list[tuple[GpuAssignment, list[int]]] = []  # each GPU and its free eighths
+    gpus: list[GpuAssignment] = []
+    free: list[int] = []  # each GPU's free eighths
     for name, model, num_parts in parts:
         eighths = 8 // num_parts
-        room = next((entry for entry in gpus if entry[1][0] >= eighths), None)
-        if room is None:
-            room = (GpuAssignment("shared"), [8])
-            gpus.append(room)
-        room[0].slots.append((name, model))
-        room[1][0] -= eighths
-    for assignment, free in gpus:
-        if free[0]:
-            assignment.slots.append((f"{free[0]}/8 free", None))
-    return [assignment for assignment, _ in gpus]
+        index = next((i for i, room in enumerate(free) if room >= eighths), None)
+        if index is None:
+            gpus.append(GpuAssignment("shared"))
+            free.append(8)
+            index = len(gpus) - 1
+        gpus[index].slots.append((name, model))
+        free[index] -= eighths
+    for assignment, room in zip(gpus, free):
+        if room:
+            assignment.slots.append((f"{room}/8 free", None))
+    return gpus
 
 
 def plan_config(config: PlatformConfig, gpu: GpuSpec, partitioning: Partitioning, inputs: PlanInputs,
