@@ -356,7 +356,8 @@ def plan(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Write the plan as JSON here ('-': stdout).")] = None,
     emit_values: Annotated[Optional[Path], typer.Option(help="Write Helm values for helm/fleetserve here.")] = None,
     emit_profiles: Annotated[Optional[Path], typer.Option(
-        help="Write each model's replica profile (DIR/<model>.yaml) for `fleetserve autoscale simulate --profile`.")] = None,
+        help="Write each model's replica profile (DIR/<model>.yaml) for `fleetserve autoscale simulate "
+             "--profile`.")] = None,
 ) -> None:
     """Which GPU or MIG slice each model needs, what it can serve there, and how it packs onto GPUs."""
     import json

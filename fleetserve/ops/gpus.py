@@ -2,9 +2,9 @@
 
 Figures are NVIDIA's published ones (MIG user guide, product briefs): memory per profile as its name
 gives it (in GB of 10^9 bytes, as NVIDIA names them), compute as sevenths of the GPU's SMs, memory
-bandwidth as the profile's share of the eight memory slices, peak dense BF16 tensor FLOP/s (SXM parts). The L4
-and L40S have no MIG. ``all-balanced`` and the ``all-<profile>``
-layouts are the GPU operator's default mig-parted configurations.
+bandwidth as the profile's share of the eight memory slices, and peak dense BF16 tensor FLOP/s (SXM parts).
+``all-balanced`` and the ``all-<profile>`` layouts are the GPU operator's default mig-parted configurations.
+The L4 and L40S have no MIG.
 """
 
 from __future__ import annotations

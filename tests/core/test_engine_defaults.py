@@ -54,4 +54,5 @@ def test_engine_gets_the_api_servers_defaults_when_the_config_leaves_them(built_
 
 
 def test_engine_keeps_the_configs_limits(built_args):
-    assert scheduler_limits(built_args, tensor_parallel_size=2, max_num_seqs=16, max_num_batched_tokens=512) == (16, 512)
+    limits = scheduler_limits(built_args, tensor_parallel_size=2, max_num_seqs=16, max_num_batched_tokens=512)
+    assert limits == (16, 512)
