@@ -30,9 +30,10 @@ def pd_wake(served):
     prefill = {"replicas": 1, "cpu_binding": ["0"], "autoscaling": {
         "policy": "kv_cache", "min_replicas": 0, "max_replicas": 1, "idle_to_zero_s": 5, "scale_down_cooldown_s": 1,
         "downscale_stabilization_s": 0, "decision_period_s": 0.5, "metrics_interval_s": 0.5}}
+    decode = {"replicas": 1, "cpu_binding": ["1"]}
     config = parse_config({"models": [{
         **model_entry(MODEL), "resources": {"num_cpus": 0.1},
-        "disaggregation": {"min_prompt_tokens": 0, "prefill": prefill, "decode": {"replicas": 1, "cpu_binding": ["1"]}}}]})
+        "disaggregation": {"min_prompt_tokens": 0, "prefill": prefill, "decode": decode}}]})
     serve.run(build_app(config), name=MODEL, route_prefix=f"/{MODEL}")
     yield f"{served.base_url}/{MODEL}"
     wait_until_healthy(MODEL)
