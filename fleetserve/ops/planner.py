@@ -466,22 +466,23 @@ def pack(plans: list[ModelPlan], gpu: GpuSpec) -> list[GpuAssignment]:
 
 def _share(plans: list[ModelPlan]) -> list[GpuAssignment]:
     """Parts of shared GPUs, largest first, each onto the first GPU with room (halvings fill GPUs exactly)."""
+    smallest = max(SHARED_PARTS)  # the unit a GPU's room is counted in
     parts = sorted(((plan.slice, plan.model, round(1 / plan.gpu_fraction)) for plan in plans
                     for _ in range(plan.replicas)), key=lambda part: part[2])
     gpus: list[GpuAssignment] = []
-    free: list[int] = []  # each GPU's free eighths
+    free: list[int] = []  # each GPU's free units
     for name, model, num_parts in parts:
-        eighths = 8 // num_parts
-        index = next((i for i, room in enumerate(free) if room >= eighths), None)
+        units = smallest // num_parts
+        index = next((i for i, room in enumerate(free) if room >= units), None)
         if index is None:
             gpus.append(GpuAssignment("shared"))
-            free.append(8)
+            free.append(smallest)
             index = len(gpus) - 1
         gpus[index].slots.append((name, model))
-        free[index] -= eighths
+        free[index] -= units
     for assignment, room in zip(gpus, free):
         if room:
-            assignment.slots.append((f"{room}/8 free", None))
+            assignment.slots.append((f"{room}/{smallest} free", None))
     return gpus
 
 

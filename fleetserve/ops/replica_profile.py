@@ -10,6 +10,7 @@ from __future__ import annotations
 from fleetserve.ops.gpus import GpuSpec
 from fleetserve.ops.planner import GiB, ModelPlan
 from fleetserve.platform.config import ModelConfig, ReplicaProfile
+from fleetserve.platform.config.model import VLLM_MAX_DEFAULT_NUM_SEQS
 
 
 def vllm_batch_defaults(device_memory_bytes: int, gpu_name: str) -> tuple[int, int]:
@@ -17,9 +18,9 @@ def vllm_batch_defaults(device_memory_bytes: int, gpu_name: str) -> tuple[int, i
     leaves them unset (vLLM 0.32, ``EngineArgs.get_batch_defaults``): larger on devices of 70 GiB or more,
     A100s excepted; a MIG instance reports its own memory."""
     if device_memory_bytes >= 160 * GiB:
-        return 1024, 16384
+        return VLLM_MAX_DEFAULT_NUM_SEQS, 16384
     if device_memory_bytes >= 70 * GiB and "a100" not in gpu_name:
-        return 1024, 8192
+        return VLLM_MAX_DEFAULT_NUM_SEQS, 8192
     return 256, 2048
 
 

@@ -118,8 +118,8 @@ class HandlePrefillClient:
         self._wake: asyncio.Task[None] | None = None
 
     def wake(self) -> None:
-        """Sends the pool one call that Serve queues while it has no replica, which its autoscaling policy reads
-        as demand (reason ``wake``): with its decode replicas prefilling locally, nothing else would reach it."""
+        """Sends the pool one call that Serve queues while it has no replica, and a queued call is what starts a
+        deployment at zero: with its decode replicas prefilling locally, nothing else would reach it."""
         if self._wake is None or self._wake.done():
             self._wake = asyncio.ensure_future(self._call_wake())
 

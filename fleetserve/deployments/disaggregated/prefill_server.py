@@ -95,7 +95,7 @@ class PrefillServer(EngineServer):
 
     async def wake(self) -> None:
         """Nothing: a decode replica calls it to start this pool from zero (Serve queues the call until a
-        replica runs, and the pool's autoscaling policy reads queued calls as demand)."""
+        replica runs, and a call queued for a deployment at zero starts one)."""
 
     async def prefill(self, request: ApiRequest) -> PrefillResult:
         """Computes the prompt's KV and keeps it for a decode engine.

@@ -123,6 +123,20 @@ class ModelConfig(Strict):
                                  f"(e.g. '0-3|4-7'), or one set the platform splits between them")
         return self
 
+    @property
+    def adapter_names(self) -> list[str]:
+        """The names of the adapters configured under this base (empty without lora)."""
+        return [adapter.name for adapter in self.lora.adapters] if self.lora is not None else []
+
+    @property
+    def schedules_by_priority(self) -> bool:
+        """Whether the engines order their queue by request priority (vLLM's scheduling_policy ``priority``)."""
+        return self.engine_args.extra.get("scheduling_policy") == "priority"
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``vllm.AsyncEngineArgs``: the engine args plus the LoRA limits."""
+        return {**self.engine_args.to_vllm_kwargs(), **(self.lora.engine_kwargs() if self.lora else {})}
+
     @model_validator(mode="after")
     def _check_disaggregation(self) -> ModelConfig:
         pd = self.disaggregation
@@ -190,20 +204,6 @@ class ModelConfig(Strict):
                                  f"there would not start. Set it at most {share:g}, or leave it out for {share:g} x "
                                  f"vLLM's default")
         return self
-
-    @property
-    def adapter_names(self) -> list[str]:
-        """The names of the adapters configured under this base (empty without lora)."""
-        return [adapter.name for adapter in self.lora.adapters] if self.lora is not None else []
-
-    @property
-    def schedules_by_priority(self) -> bool:
-        """Whether the engines order their queue by request priority (vLLM's scheduling_policy ``priority``)."""
-        return self.engine_args.extra.get("scheduling_policy") == "priority"
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for ``vllm.AsyncEngineArgs``: the engine args plus the LoRA limits."""
-        return {**self.engine_args.to_vllm_kwargs(), **(self.lora.engine_kwargs() if self.lora else {})}
 
     @property
     def max_serving_replicas(self) -> int:
