@@ -23,12 +23,19 @@ class Endpoint(str, Enum):
     COUNT_TOKENS = "/v1/messages/count_tokens"
     EMBEDDINGS = "/v1/embeddings"
     POOLING = "/pooling"
+    # vLLM's scoring of text pairs: cosine similarity on embedding models, a cross-encoder's score on
+    # one-label classifiers.
+    SCORE = "/score"
+    # Jina's and Cohere's rerank API over the same scoring.
+    RERANK = "/rerank"
+    CLASSIFY = "/classify"
     TOKENIZE = "/tokenize"
     DETOKENIZE = "/detokenize"
 
     @classmethod
     def of_path(cls, path: str) -> Endpoint | None:
-        """The endpoint a request path ends with, under any route prefix; None for other paths."""
+        """The endpoint a request path ends with, under any route prefix (an alias in ``ENDPOINT_ALIASES``
+        ends with its endpoint's path); None for other paths."""
         return next((endpoint for endpoint in cls if path.endswith(endpoint.value)), None)
 
     @property
@@ -43,6 +50,10 @@ class Endpoint(str, Enum):
 
 
 GENERATING_ENDPOINTS = frozenset({Endpoint.CHAT, Endpoint.COMPLETIONS, Endpoint.RESPONSES, Endpoint.MESSAGES})
+# Other paths vLLM serves the same request on: its older /v1/score and /v1/rerank (Ray Serve LLM's and Jina's
+# clients) and Cohere's /v2/rerank. The ingress forwards them to the endpoint's own path.
+ENDPOINT_ALIASES: dict[str, Endpoint] = {"/v1/score": Endpoint.SCORE, "/v1/rerank": Endpoint.RERANK,
+                                         "/v2/rerank": Endpoint.RERANK}
 
 
 @dataclass(frozen=True)

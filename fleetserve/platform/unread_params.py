@@ -29,13 +29,18 @@ REQUEST_TYPES: dict[Endpoint, tuple[str, str]] = {
     Endpoint.COUNT_TOKENS: ("vllm.entrypoints.anthropic.protocol", "AnthropicCountTokensRequest"),
     Endpoint.EMBEDDINGS: ("vllm.entrypoints.pooling.embed.protocol", "EmbeddingRequest"),
     Endpoint.POOLING: ("vllm.entrypoints.pooling.pooling.protocol", "PoolingRequest"),
+    Endpoint.SCORE: ("vllm.entrypoints.pooling.scoring.protocol", "ScoreRequest"),
+    Endpoint.RERANK: ("vllm.entrypoints.pooling.scoring.protocol", "RerankRequest"),
+    Endpoint.CLASSIFY: ("vllm.entrypoints.pooling.classify.protocol", "ClassificationRequest"),
     Endpoint.TOKENIZE: ("vllm.entrypoints.serve.tokenize.protocol", "TokenizeRequest"),
     Endpoint.DETOKENIZE: ("vllm.entrypoints.serve.tokenize.protocol", "DetokenizeRequest"),
 }
 # Read by fleetserve's ingress, not by vLLM: the replica router's affinity key.
 PLATFORM_PARAMS = frozenset({"prompt_cache_key"})
 # Values that ask for nothing, so need no reader: OpenAI's defaults for parameters vLLM lacks.
-NO_OP_VALUES: dict[str, tuple[Any, ...]] = {"store": (False,), "service_tier": ("auto", "default")}
+NO_OP_VALUES: dict[str, tuple[Any, ...]] = {"store": (False,), "service_tier": ("auto", "default"),
+                                          # Rerank APIs (Jina, Cohere): vLLM returns the documents always.
+                                          "return_documents": (True,)}
 # Chat fields that vLLM only hands to the chat template as variables of the same name.
 TEMPLATE_FIELDS = ("reasoning_effort", "documents")
 

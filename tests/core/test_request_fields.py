@@ -76,6 +76,14 @@ def test_outputs_asked_for_count_n_and_each_prompt(endpoint, fields, num_sequenc
                                     {"type": "function_call_output", "call_id": "c1", "output": "O"},
                                     {"role": "user", "content": [{"type": "input_text", "text": "U"}]}]},
      "AOU"),
+    # Score and rerank: every text of the pairs once, in any of vLLM's shapes; an image part is not text.
+    (Endpoint.SCORE, {"text_1": "Q", "text_2": ["D1", "D2"]}, "QD1D2"),
+    (Endpoint.SCORE, {"queries": ["Q1", "Q2"], "documents": ["D1", "D2"]}, "Q1Q2D1D2"),
+    (Endpoint.RERANK, {"query": "Q", "documents": ["D1", {"content": [{"type": "text", "text": "D2"}, {
+        "type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}, "QD1D2"),
+    # Classify: a completion-style input or chat messages.
+    (Endpoint.CLASSIFY, {"input": ["I1", "I2"]}, "I1I2"),
+    (Endpoint.CLASSIFY, {"messages": [{"role": "user", "content": "U"}]}, "U"),
 ])
 def test_prompt_text_counts_tool_calls_and_results(endpoint, fields, text):
     # Before, only text parts counted: a tool result of any size passed max_prompt_chars and was charged nothing.
@@ -123,6 +131,8 @@ def test_deeply_nested_content_is_read_to_a_bounded_depth():
     ("/v1/chat/completions", Endpoint.CHAT),                       # not taken for /v1/completions
     ("/v1/completions", Endpoint.COMPLETIONS),
     ("/v1/models", None),
+    ("/v2/rerank", Endpoint.RERANK),                               # Cohere's path, an alias
+    ("/team-a/v1/score", Endpoint.SCORE),
 ])
 def test_endpoint_of_path_reads_the_path_under_any_prefix(path, endpoint):
     assert Endpoint.of_path(path) is endpoint

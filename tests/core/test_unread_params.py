@@ -90,6 +90,15 @@ def test_apply_chat_template_arguments_count_as_read():
     (Endpoint.RESPONSES, {"model": "m", "input": "x", "foo": 1}, ["foo"]),
     (Endpoint.TOKENIZE, {"model": "m", "prompt": "x", "foo": 1}, ["foo"]),
     (Endpoint.DETOKENIZE, {"model": "m", "tokens": [1], "foo": 1}, ["foo"]),
+    (Endpoint.SCORE, {"model": "m", "text_1": "q", "text_2": ["d"], "foo": 1}, ["foo"]),
+    # top_n is rerank's: on /score, vLLM would return every pair.
+    (Endpoint.SCORE, {"model": "m", "queries": "q", "documents": ["d"], "top_n": 1}, ["top_n"]),
+    # vLLM always returns the documents: asking for them needs nothing, asking it not to is refused.
+    (Endpoint.RERANK, {"model": "m", "query": "q", "documents": ["d"], "return_documents": True}, []),
+    (Endpoint.RERANK, {"model": "m", "query": "q", "documents": ["d"], "return_documents": False},
+     ["return_documents"]),
+    (Endpoint.CLASSIFY, {"model": "m", "input": "x", "foo": 1}, ["foo"]),
+    (Endpoint.CLASSIFY, {"model": "m", "messages": MESSAGES, "foo": 1}, ["foo"]),
 ])
 def test_every_endpoint_is_checked(endpoint, payload, expected):
     assert paths(endpoint, payload) == expected

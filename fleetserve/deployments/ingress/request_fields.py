@@ -119,6 +119,9 @@ def parse_body(body: bytes) -> dict[str, Any]:
 # (Anthropic's content, Responses' output), tool calls (OpenAI's function and arguments, Anthropic's input) and
 # reasoning. Images and files are not characters, and are not counted.
 _TEXT_KEYS = ("text", "content", "output", "function", "arguments", "input", "thinking")
+# The fields of a score or rerank request that hold its texts, in vLLM's four shapes of a score request and
+# its rerank request. The texts count once each, as sent; a cross-encoder reads the query once per document.
+SCORING_TEXT_KEYS = ("query", "queries", "documents", "items", "text_1", "text_2", "data_1", "data_2")
 # How deep text is looked for: no API nests its parts more than a few levels (vLLM refuses deeper ones), and
 # a hostile body must not exhaust the stack.
 MAX_PART_DEPTH = 16
@@ -238,16 +241,18 @@ def read_fields(endpoint: Endpoint, payload: dict[str, Any]) -> RequestFields:
     if not isinstance(model, str) or not model:
         raise APIError("`model` is required and must be a string", 400, param="model")
     messages = prompt = None
-    if endpoint in (Endpoint.CHAT, Endpoint.MESSAGES, Endpoint.COUNT_TOKENS) or (endpoint is Endpoint.TOKENIZE
-                                                                              and "messages" in payload):
+    if endpoint in (Endpoint.CHAT, Endpoint.MESSAGES, Endpoint.COUNT_TOKENS) or (
+            endpoint in (Endpoint.TOKENIZE, Endpoint.CLASSIFY) and "messages" in payload):
         messages = _messages(payload, "messages")
         system = payload.get("system") if endpoint.is_anthropic else None
         if system is not None:
             messages.insert(0, {"role": "system", "content": _content_text(system, "system")})
     elif endpoint in (Endpoint.COMPLETIONS, Endpoint.TOKENIZE):
         prompt = _input_text(payload.get("prompt"), "prompt")
-    elif endpoint in (Endpoint.RESPONSES, Endpoint.EMBEDDINGS, Endpoint.POOLING):
+    elif endpoint in (Endpoint.RESPONSES, Endpoint.EMBEDDINGS, Endpoint.POOLING, Endpoint.CLASSIFY):
         prompt = _input_text(payload.get("input"), "input")
+    elif endpoint in (Endpoint.SCORE, Endpoint.RERANK):
+        prompt = "".join(_part_text(payload.get(key)) for key in SCORING_TEXT_KEYS)
     stream = payload.get("stream")
     if stream is not None and not isinstance(stream, bool):
         # OpenAI refuses it; vLLM's pydantic would read "yes" or 1 as true, and the ingress as a whole response.

@@ -62,7 +62,7 @@ from fleetserve.deployments.ingress.streaming import (EventStreamResponse, as_ap
                                                       relay_stream, until_final)
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry
 from fleetserve.platform.api_errors import in_anthropic_shape
-from fleetserve.platform.api_types import ApiRequest, Endpoint, ReplicaChunk, TokenUsage
+from fleetserve.platform.api_types import ENDPOINT_ALIASES, ApiRequest, Endpoint, ReplicaChunk, TokenUsage
 from fleetserve.platform.config import (AuthConfig, CorsConfig, LimitsConfig, ModelConfig, ModelRoutingConfig,
                                         PlatformConfig)
 from fleetserve.deployments.ingress.metrics import IngressMetrics
@@ -75,7 +75,7 @@ logger = logging.getLogger(__name__)
 
 
 # Every path the ingress forwards; requests on them are counted in fleetserve_requests_total.
-FORWARDED_ROUTES = tuple(endpoint.value for endpoint in Endpoint)
+FORWARDED_ROUTES = (*(endpoint.value for endpoint in Endpoint), *ENDPOINT_ALIASES)
 # The admin API's paths for LoRA adapters (vLLM's), and the header saying how many replicas serve a change.
 ADAPTER_PATHS = {AdapterOp.LOAD: "/v1/load_lora_adapter", AdapterOp.UNLOAD: "/v1/unload_lora_adapter"}
 HEADER_ADAPTER_REPLICAS = "x-fleetserve-adapter-replicas"
@@ -245,6 +245,9 @@ class OpenAIIngress:
         for endpoint in Endpoint:
             app.add_api_route(endpoint.value, self._endpoint_handler(endpoint), methods=["POST"],
                               name=endpoint.name.lower())
+        for path, endpoint in ENDPOINT_ALIASES.items():
+            app.add_api_route(path, self._endpoint_handler(endpoint), methods=["POST"],
+                              name=f"{endpoint.name.lower()}{path.replace('/', '_')}")
         for op, path in ADAPTER_PATHS.items():
             app.add_api_route(path, self._adapter_handler(op), methods=["POST"], name=f"{op.value}_lora_adapter")
         return app
