@@ -45,3 +45,28 @@ def test_starting_at_zero_is_refused_where_nothing_would_wake_the_pool(autoscali
     with pytest.raises(ConfigError, match=r"models\.0: .*replicas: 0 starts the model with no replica, which only a "
                                           r"pool that scales to zero wakes from"):
         parse_config({"models": [{"name": "m", "source": "tiny-random-llama", "replicas": 0, **autoscaling}]})
+
+
+def pd_model(prefill: dict) -> dict:
+    return {"name": "m", "source": "tiny-random-llama", "disaggregation": {"prefill": prefill}}
+
+
+def test_a_prefill_pool_that_scales_to_zero_may_start_there():
+    from fleetserve.deployments.serve_options import deployment_options
+    from fleetserve.platform.config import ServerConfig
+
+    config = parse_config({"models": [pd_model({"replicas": 0, "autoscaling": {
+        "policy": "kv_cache", "min_replicas": 0, "max_replicas": 2}})]}).models[0]
+    prefill = config.pool_model("prefill")
+    assert prefill.replicas == 0
+    assert deployment_options(prefill, ServerConfig())["autoscaling_config"]["initial_replicas"] == 0
+
+
+@pytest.mark.parametrize("prefill", [{"replicas": 0}, {"replicas": 0, "autoscaling": {
+    "policy": "kv_cache", "min_replicas": 1, "max_replicas": 2}}], ids=["fixed", "min-one"])
+def test_a_pool_starting_at_zero_is_refused_where_nothing_would_wake_it(prefill):
+    from fleetserve.platform.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"models\.0\.disaggregation\.prefill: .*replicas: 0 starts the pool with no "
+                                          r"replica, which only a pool that scales to zero wakes from"):
+        parse_config({"models": [pd_model(prefill)]})

@@ -1,6 +1,6 @@
-"""A prefill pool that scales to zero, on a real Serve deployment: it idles to zero, the next prompt is prefilled on
-the decode replica, and that replica's wake call brings the pool back for the prompts after it. Before the wake
-call the pool stayed at zero for good: nothing else reaches a prefill pool."""
+"""A prefill pool that scales to zero, on a real Serve deployment: it starts at zero (as it would be after idling
+there), the first prompt is prefilled on the decode replica, and that replica's wake call brings the pool up for
+the prompts after it. Before the wake call the pool stayed at zero for good: nothing else reaches a prefill pool."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ pytest.importorskip("nixl", reason="disaggregation needs nixl (make install adds
 
 MODEL = "pd-wake"
 PREFILL = f"prefill-{MODEL}"
+DECODE = f"engine-{MODEL}"
 
 
 @pytest.fixture(scope="module")
@@ -26,11 +27,13 @@ def pd_wake(served):
     from fleetserve.deployments.builders import build_app
     from fleetserve.platform.config import parse_config
 
-    # Every prompt goes to the prefill pool while it runs (min_prompt_tokens 0); it goes to zero after 5 s idle.
-    prefill = {"replicas": 1, "cpu_binding": ["0"], "autoscaling": {
+    # Every prompt goes to the prefill pool while it runs (min_prompt_tokens 0); it starts with no replica.
+    prefill = {"replicas": 0, "cpu_binding": ["0"], "autoscaling": {
         "policy": "kv_cache", "min_replicas": 0, "max_replicas": 1, "idle_to_zero_s": 5, "scale_down_cooldown_s": 1,
         "downscale_stabilization_s": 0, "decision_period_s": 0.5, "metrics_interval_s": 0.5}}
-    decode = {"replicas": 1, "cpu_binding": ["1"]}
+    # The decode pool starts at zero too: the first request waits while Serve starts it.
+    decode = {"replicas": 0, "cpu_binding": ["1"], "autoscaling": {
+        "policy": "kv_cache", "min_replicas": 0, "max_replicas": 1, "idle_to_zero_s": 600}}
     config = parse_config({"models": [{
         **model_entry(MODEL), "resources": {"num_cpus": 0.1},
         "disaggregation": {"min_prompt_tokens": 0, "prefill": prefill, "decode": decode}}]})
@@ -64,7 +67,7 @@ def prefilled_by(url: str, request_id: str) -> str | None:
 
 
 def test_a_prefill_pool_at_zero_is_woken_by_the_prompt_that_finds_it_empty(pd_wake):
-    assert wait_for(PREFILL, 0, timeout_s=120), "the prefill pool never idled to zero"
+    assert running(PREFILL) == 0 and running(DECODE) == 0
     # The pool is empty: the decode replica prefills this prompt itself, and asks the pool for a replica.
     assert prefilled_by(pd_wake, "first") is None
     assert wait_for(PREFILL, 1, timeout_s=180), "the prefill pool stayed at zero"

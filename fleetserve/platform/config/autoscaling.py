@@ -164,3 +164,14 @@ class AutoscalingConfig(Strict):
                      for knob in foreign]
             raise ValueError(f"policy {self.policy} does not read {', '.join(owned)}; remove them or change the policy")
         return self
+
+
+def check_start_at_zero(replicas: int, autoscaling: AutoscalingConfig | None, subject: str) -> None:
+    """Refuses a start with no replica where nothing would ever start one.
+
+    Raises:
+        ValueError: ``replicas`` is 0 and ``subject`` does not scale to zero.
+    """
+    if replicas == 0 and (autoscaling is None or autoscaling.min_replicas > 0):
+        raise ValueError(f"replicas: 0 starts the {subject} with no replica, which only a pool that scales to zero "
+                         "wakes from: set autoscaling.min_replicas: 0, or replicas of 1 or more")

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from fleetserve.platform.config.autoscaling import AutoscalingConfig
+from fleetserve.platform.config.autoscaling import AutoscalingConfig, check_start_at_zero
 from fleetserve.platform.config.base import Strict
 from fleetserve.platform.config.routing import RoutingConfig
 
@@ -16,8 +16,9 @@ POOLS = ("colocated", "prefill", "decode")
 class PoolConfig(Strict):
     """One phase's pool of a disaggregated model."""
 
-    # Replicas in the pool (the initial count when autoscaling is set).
-    replicas: int = Field(default=1, ge=1)
+    # Replicas in the pool (the initial count when autoscaling is set); 0 starts a pool that scales to zero
+    # without a replica (a prefill pool is woken by the first prompt that finds it empty).
+    replicas: int = Field(default=1, ge=0)
     # Overrides of the model's engine_args for this pool (e.g. a larger max_num_batched_tokens for prefill).
     engine_args: dict[str, Any] = Field(default_factory=dict)
     # Cores per replica on CPU hosts, cycled over replicas; None spreads them with the other engines.
@@ -29,6 +30,12 @@ class PoolConfig(Strict):
     autoscaling: AutoscalingConfig | None = None
     # Replica routing inside the pool; None: the model's routing for prefill, least_loaded for decode.
     routing: RoutingConfig | None = None
+
+
+    @model_validator(mode="after")
+    def _check_start_at_zero(self) -> PoolConfig:
+        check_start_at_zero(self.replicas, self.autoscaling, "pool")
+        return self
 
 
 class PDRatio(Strict):

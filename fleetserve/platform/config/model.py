@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
-from fleetserve.platform.config.autoscaling import AutoscalingConfig
+from fleetserve.platform.config.autoscaling import AutoscalingConfig, check_start_at_zero
 from fleetserve.platform.config.base import ModelName, Strict
 from fleetserve.platform.config.disaggregation import DisaggregationConfig, PoolConfig
 from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, RAY_MIG_RESOURCE_PREFIX, ApiConfig, EngineArgs, Resources
@@ -62,9 +62,7 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check_start_at_zero(self) -> ModelConfig:
-        if self.replicas == 0 and (self.autoscaling is None or self.autoscaling.min_replicas > 0):
-            raise ValueError("replicas: 0 starts the model with no replica, which only a pool that scales to zero "
-                             "wakes from: set autoscaling.min_replicas: 0, or replicas of 1 or more")
+        check_start_at_zero(self.replicas, self.autoscaling, "model")
         return self
 
     @model_validator(mode="after")
