@@ -2,6 +2,8 @@
 
 Sources:
   * a local PEFT folder (has ``adapter_config.json``): used in place;
+  * a PEFT folder in object storage (``s3://``, ``gs://``, ``az://``): fetched once per version
+    (``object_store.py``), then checked as a local one;
   * ``random-lora:<seed>``: a random adapter for the base model, built once with PEFT and cached. Its
     weights are non-zero, so it changes the base model's output: tests and demos use it where no trained
     adapter exists (no model hub here).
@@ -13,6 +15,7 @@ import hashlib
 from pathlib import Path
 
 from fleetserve.platform.model_store import atomic_folder, cache_root
+from fleetserve.platform.object_store import ObjectStoreError, is_object_store_uri, snapshot
 
 RANDOM_LORA_PREFIX = "random-lora:"
 # Rank of built random adapters; a model's lora.max_lora_rank must be at least this.
@@ -23,6 +26,8 @@ _RANDOM_LORA_VERSION = 1
 _TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Files vLLM's LoRA loader reads an adapter's weights from (vllm/lora/lora_model.py), any one of them.
 ADAPTER_WEIGHT_FILES = ("adapter_model.safetensors", "adapter_model.bin", "adapter_model.pt")
+# What an adapter folder in object storage is fetched with: its config, weights and any tokenizer files.
+ADAPTER_FILE_PATTERNS = ("*.json", *ADAPTER_WEIGHT_FILES, "*.model", "*.txt", "*.jinja", "tokenizer*")
 
 
 class AdapterSourceError(ValueError):
@@ -55,9 +60,12 @@ def check_adapter_source(source: str, max_lora_rank: int | None = None) -> None:
         if not source.removeprefix(RANDOM_LORA_PREFIX).isdigit():
             raise AdapterSourceError(f"adapter source {source!r}: expected {RANDOM_LORA_PREFIX}<seed>, "
                                      f"a non-negative integer seed", 400)
+    elif is_object_store_uri(source):
+        return  # read where it is fetched, with the credentials of the replicas that load it
     elif not (Path(source).expanduser() / "adapter_config.json").exists():
         raise AdapterSourceError(f"adapter source {source!r} not found: expected a PEFT adapter folder "
-                                 f"(with adapter_config.json) or {RANDOM_LORA_PREFIX}<seed>", 404)
+                                 f"(with adapter_config.json) here or in object storage (s3://, gs://, az://), "
+                                 f"or {RANDOM_LORA_PREFIX}<seed>", 404)
     elif max_lora_rank is not None:
         check_adapter_folder(Path(source).expanduser(), max_lora_rank)
 
@@ -94,6 +102,11 @@ def resolve_adapter_source(source: str, base_path: Path, max_lora_rank: int) -> 
     check_adapter_source(source)
     if source.startswith(RANDOM_LORA_PREFIX):
         path = random_lora(base_path, int(source.removeprefix(RANDOM_LORA_PREFIX)))
+    elif is_object_store_uri(source):
+        try:
+            path = snapshot(source, ADAPTER_FILE_PATTERNS, "adapter_config.json", cache_root())
+        except ObjectStoreError as error:
+            raise AdapterSourceError(f"adapter source {error}", 404 if error.missing else 400) from None
     else:
         path = Path(source).expanduser()
     check_adapter_folder(path, max_lora_rank)

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from rich.console import Console
 
+from fleetserve.platform.object_store import ObjectStoreError, is_object_store_uri, snapshot
+
 # Bump when the tiny model's recipe changes, so cached copies are rebuilt.
 _TINY_RECIPE_VERSION = 2
 _HASH_CHUNK_BYTES = 8 * 1024 * 1024
@@ -98,15 +100,20 @@ class SourceKind(str, Enum):
     """What a model source names, in the order the store tries them."""
 
     PACKAGED = "packaged"
+    # A folder in object storage (s3://, gs://, az://), fetched to a local snapshot.
+    OBJECT_STORE = "object_store"
     PATH = "path"
     HUB = "hub"
 
 
 def source_kind(source: str) -> SourceKind:
-    """What ``source`` names: a packaged id first, then a path that exists, then a Hub id ("org/name");
+    """What ``source`` names: a packaged id first, then an object-store URI, then a path that exists, then a Hub
+    id ("org/name");
     anything else is a path, perhaps missing."""
     if source in PACKAGED_MODELS:
         return SourceKind.PACKAGED
+    if is_object_store_uri(source):
+        return SourceKind.OBJECT_STORE
     if HUB_ID.match(source) and not Path(source).expanduser().exists():
         return SourceKind.HUB
     return SourceKind.PATH
@@ -306,6 +313,11 @@ def resolve_source(source: str, config_only: bool = False) -> Path:
         return tiny_random_llama() if source == TINY_RANDOM_LLAMA else convert_gguf(_PACKAGED_GGUF[source]())
     if kind is SourceKind.HUB:
         return hub_snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS)
+    if kind is SourceKind.OBJECT_STORE:
+        try:
+            return snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS, "config.json", cache_root())
+        except ObjectStoreError as error:
+            raise ModelSourceError(f"model source {error}; expected a Hugging Face model folder") from None
     path = Path(source).expanduser()
     if path.is_dir():
         if not (path / "config.json").exists():
@@ -316,6 +328,6 @@ def resolve_source(source: str, config_only: bool = False) -> Path:
     if path.exists():
         raise ModelSourceError(f"model source {path} is a file but not a .gguf; expected a folder or a .gguf file")
     raise ModelSourceError(
-        f"model source {source!r} not found: expected a HF folder, a .gguf file, "
-        f"or one of the packaged ids {', '.join(PACKAGED_MODELS)}"
+        f"model source {source!r} not found: expected a HF folder, a .gguf file, a folder in object storage "
+        f"(s3://, gs://, az://), or one of the packaged ids {', '.join(PACKAGED_MODELS)}"
     )

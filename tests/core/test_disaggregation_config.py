@@ -52,7 +52,8 @@ def test_colocated_is_the_default():
     (pd_model(decode={"autoscaling": {"pool": "prefill"}}), "disaggregation.decode.autoscaling.pool is 'prefill'"),
     (pd_model(connector="mooncake"), "models.0.disaggregation.connector: Input should be 'nixl'"),
     (pd_model(min_prompt_tokens=-1), "models.0.disaggregation.min_prompt_tokens: Input should be greater than"),
-    (pd_model(prefill={"replicas": 0}), "models.0.disaggregation.prefill.replicas: Input should be greater"),
+    (pd_model(prefill={"replicas": 0}),
+     "models.0.disaggregation.prefill: Value error, replicas: 0 starts the pool with no replica, which only"),
 ])
 def test_bad_combinations_are_clear_errors(model, expected):
     with pytest.raises(ConfigError) as caught:

@@ -62,7 +62,8 @@ def test_hf_folder_is_used_in_place(tmp_path):
 
 
 @pytest.mark.parametrize(("make", "message"), [
-    (lambda p: p / "nothing-here", "not found: expected a HF folder, a .gguf file, or one of the packaged ids"),
+    (lambda p: p / "nothing-here", "not found: expected a HF folder, a .gguf file, a folder in object storage "
+                                   r"\(s3://, gs://, az://\), or one of the packaged ids"),
     (lambda p: p, "has no config.json"),
     (lambda p: (p / "weights.bin").write_text("x") and p / "weights.bin", "is a file but not a .gguf"),
 ])

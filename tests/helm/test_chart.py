@@ -243,6 +243,24 @@ def test_a_hub_token_secret_reaches_every_pod_as_hf_token():
     jsonschema_validate_rayservice(service)
 
 
+def test_object_store_credentials_reach_every_pod_even_without_the_model_cache():
+    # Before extraEnv, the env list rendered only with the model cache or the fast path on, so a hub token
+    # alone left HF_TOKEN out of every pod.
+    endpoint = {"name": "AWS_ENDPOINT_URL", "value": "http://minio.storage:9000"}
+    keys = {"secretRef": {"name": "s3-keys"}}
+    service = find(render({"workerGroups": {"colocated-3g-40gb": MIG_GROUP}, "modelCache": {"enabled": False},
+                           "hubToken": {"existingSecret": "hf"}, "extraEnv": [endpoint], "extraEnvFrom": [keys],
+                           "serviceAccountName": "model-reader"}), "RayService")
+    cluster = service["spec"]["rayClusterConfig"]
+    for pod in [cluster["headGroupSpec"]["template"]["spec"],
+                *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]:
+        assert pod["serviceAccountName"] == "model-reader"
+        [container] = pod["containers"]
+        assert [item["name"] for item in container["env"]] == ["HF_TOKEN", "AWS_ENDPOINT_URL"]
+        assert container["env"][1] == endpoint and container["envFrom"] == [keys]
+    jsonschema_validate_rayservice(service)
+
+
 def test_the_model_cache_takes_a_claim_or_can_be_left_out():
     head = find(render({"modelCache": {"existingClaim": "fleetserve-cache"}}),
                 "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
@@ -251,6 +269,8 @@ def test_the_model_cache_takes_a_claim_or_can_be_left_out():
     head = find(render({"modelCache": {"enabled": False}}), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert [volume["name"] for volume in head["template"]["spec"]["volumes"]] == ["api-keys", "dshm"]
     assert "env" not in head["template"]["spec"]["containers"][0]
+    assert "envFrom" not in head["template"]["spec"]["containers"][0]
+    assert "serviceAccountName" not in head["template"]["spec"]
 
 
 def test_extra_volumes_mount_in_every_pod_beside_the_charts_own():

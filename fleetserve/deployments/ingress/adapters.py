@@ -30,7 +30,8 @@ class AdapterChange(BaseModel):
 
     # The adapter's model name.
     lora_name: str
-    # Where to load it from (load only): a PEFT folder on the replicas' machines, or random-lora:<seed>.
+    # Where to load it from (load only): a PEFT folder on the replicas' machines or in object storage
+    # (s3://, gs://, az://), or random-lora:<seed>.
     lora_path: str | None = None
     # Reload an already loaded adapter from lora_path (vLLM's semantics).
     load_inplace: bool = False

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from fleetserve.platform.config.platform import PlatformConfig
 from fleetserve.platform.lora_store import RANDOM_LORA_PREFIX
 from fleetserve.platform.model_store import SourceKind, source_kind
+from fleetserve.platform.object_store import is_object_store_uri
 
 # What marks a chat template as inline Jinja rather than a file name.
 _JINJA_MARKERS = ("{{", "{%")
@@ -35,7 +36,7 @@ def config_paths(config: PlatformConfig) -> list[ConfigPath]:
         if template is not None and not any(marker in template for marker in _JINJA_MARKERS):
             paths.append(ConfigPath(f"models[{model.name}].api.chat_template", template))
         for adapter in model.lora.adapters if model.lora is not None else []:
-            if not adapter.source.startswith(RANDOM_LORA_PREFIX):
+            if not adapter.source.startswith(RANDOM_LORA_PREFIX) and not is_object_store_uri(adapter.source):
                 paths.append(ConfigPath(f"models[{model.name}].lora.adapters[{adapter.name}].source", adapter.source))
     routing = config.model_routing
     if routing is not None:

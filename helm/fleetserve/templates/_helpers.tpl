@@ -72,7 +72,7 @@ resources: {{ printf "{\"mig-%s\": 1}" .group.migProfile | quote }}
 {{- $fastPath := and (hasKey $server "serve_fast_path") $server.serve_fast_path -}}
 image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
-{{- if or .Values.modelCache.enabled $fastPath }}
+{{- if or .Values.modelCache.enabled $fastPath .Values.hubToken.existingSecret .Values.extraEnv }}
 env:
   {{- if .Values.modelCache.enabled }}
   - {name: FLEETSERVE_CACHE, value: /var/cache/fleetserve/models}
@@ -90,6 +90,13 @@ env:
   - {name: RAY_SERVE_ENABLE_HA_PROXY, value: "1"}
   - {name: RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S, value: "5"}
   {{- end }}
+  {{- with .Values.extraEnv }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end }}
+{{- with .Values.extraEnvFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
 {{- end }}
 volumeMounts:
   - name: api-keys
