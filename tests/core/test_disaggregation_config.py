@@ -49,6 +49,11 @@ def test_colocated_is_the_default():
      "disaggregation.prefill.engine_args: kv_transfer_config is set by the platform"),
     ({**pd_model(), "engine_args": {"extra": {"kv_transfer_config": {}}}},
      "engine_args.extra.kv_transfer_config: the platform sets the KV connector"),
+    # vLLM would swap the platform's NIXL connector for its offloading one: decode engines would get no KV.
+    ({**pd_model(), "engine_args": {"extra": {"kv_offloading_size": 8}}},
+     "engine_args.extra.kv_offloading_size: vLLM's KV offloading replaces the NIXL connector"),
+    (pd_model(decode={"engine_args": {"extra": {"kv_offloading_backend": "lmcache"}}}),
+     "disaggregation.decode.engine_args.extra.kv_offloading_backend: vLLM's KV offloading replaces the NIXL"),
     (pd_model(decode={"autoscaling": {"pool": "prefill"}}), "disaggregation.decode.autoscaling.pool is 'prefill'"),
     (pd_model(connector="mooncake"), "models.0.disaggregation.connector: Input should be 'nixl'"),
     (pd_model(min_prompt_tokens=-1), "models.0.disaggregation.min_prompt_tokens: Input should be greater than"),

@@ -147,6 +147,7 @@ class ModelConfig(Strict):
         if "kv_transfer_config" in self.engine_args.extra:
             raise ValueError("engine_args.extra.kv_transfer_config: the platform sets the KV connector "
                              "for disaggregated models; remove it")
+        _check_no_kv_offloading(self.engine_args.extra, "engine_args.extra")
         layouts = {}
         for phase in ("prefill", "decode"):
             pool: PoolConfig = getattr(pd, phase)
@@ -158,6 +159,7 @@ class ModelConfig(Strict):
                 raise ValueError(f"{where}.engine_args: {problems}") from None
             if "kv_transfer_config" in args.extra:
                 raise ValueError(f"{where}.engine_args: kv_transfer_config is set by the platform; remove it")
+            _check_no_kv_offloading(pool.engine_args.get("extra") or {}, f"{where}.engine_args.extra")
             layouts[phase] = {key: getattr(args, key) for key in KV_LAYOUT_ARGS}
             if pool.autoscaling is not None and pool.autoscaling.pool not in ("colocated", phase):
                 raise ValueError(f"{where}.autoscaling.pool is {pool.autoscaling.pool!r}; this pool is {phase!r}")
@@ -254,3 +256,12 @@ class ModelConfig(Strict):
         return (num_input_tokens * self.cost_per_million_input_tokens
                 + num_output_tokens * self.cost_per_million_output_tokens) / 1e6
 
+
+def _check_no_kv_offloading(extra: dict[str, Any], where: str) -> None:
+    """Refuses vLLM's KV offloading on a disaggregated model: vLLM replaces whatever KV connector is set with its
+    offloading connector (VllmConfig._post_init_kv_transfer_config), so the platform's NIXL connector would be
+    gone and no KV would reach the decode pool."""
+    for key in ("kv_offloading_size", "kv_offloading_backend"):
+        if extra.get(key) is not None:
+            raise ValueError(f"{where}.{key}: vLLM's KV offloading replaces the NIXL connector that moves KV from "
+                             f"prefill to decode engines; offload KV on a colocated model, or remove it")
