@@ -275,10 +275,10 @@ def _first_sentence(text: str) -> str:
     return line.split(". ")[0].rstrip(".")
 
 
-def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS) -> Path:
-    """A Hugging Face Hub repository's serving files, downloaded once into Hugging Face's cache (``HF_HOME``, or
-    ``HF_HUB_CACHE``; ``HF_TOKEN`` for gated models) with its progress bars, or the cached snapshot when the Hub
-    cannot be reached.
+def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS, revision: str | None = None) -> Path:
+    """A Hugging Face Hub repository's serving files at ``revision`` (a branch, tag or commit; None: the default
+    branch), downloaded once into Hugging Face's cache (``HF_HOME``, or ``HF_HUB_CACHE``; ``HF_TOKEN`` for gated
+    models) with its progress bars, or the cached snapshot when the Hub cannot be reached.
 
     Raises:
         ModelSourceError: neither the Hub nor the cache has it, or it has no config.json.
@@ -286,7 +286,7 @@ def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS) ->
     from huggingface_hub import snapshot_download
 
     try:
-        folder = Path(snapshot_download(repo_id, allow_patterns=list(patterns),
+        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns),
                                         cache_dir=os.environ.get("HF_HUB_CACHE")))
     except Exception as error:  # noqa: BLE001 - network, auth, not-found and cache errors all end here
         raise ModelSourceError(
@@ -299,20 +299,26 @@ def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS) ->
     return folder
 
 
-def resolve_source(source: str, config_only: bool = False) -> Path:
+def resolve_source(source: str, config_only: bool = False, revision: str | None = None) -> Path:
     """Resolves a model source to a local HF folder, converting or building it if needed.
 
     Args:
         config_only: a Hub model's JSON files are enough (the planner reads its shape, not its weights).
+        revision: the Hub revision to fetch (vLLM's ``revision`` engine arg, which vLLM itself ignores once the
+            model is a local folder); only a Hub id has revisions.
 
     Raises:
-        ModelSourceError: when the source is neither a packaged id nor a usable path.
+        ModelSourceError: when the source is neither a packaged id nor a usable path, or a revision is given
+            for a source that is no Hub id.
     """
     kind = source_kind(source)
+    if revision is not None and kind is not SourceKind.HUB:
+        raise ModelSourceError(f"model source {source!r} is no Hugging Face Hub id, so it has no revision "
+                               f"{revision!r}: remove engine_args.extra.revision, or name the folder of that revision")
     if kind is SourceKind.PACKAGED:
         return tiny_random_llama() if source == TINY_RANDOM_LLAMA else convert_gguf(_PACKAGED_GGUF[source]())
     if kind is SourceKind.HUB:
-        return hub_snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS)
+        return hub_snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS, revision)
     if kind is SourceKind.OBJECT_STORE:
         try:
             return snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS, "config.json", cache_root())

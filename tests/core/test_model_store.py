@@ -95,6 +95,45 @@ def test_a_hub_id_resolves_to_its_cached_snapshot_when_the_hub_is_unreachable(tm
     assert resolve_source("acme/tiny") == snapshot
 
 
+def test_a_pinned_revision_resolves_to_that_revisions_snapshot(tmp_path, monkeypatch):
+    # refs/<name> names each revision's snapshot folder; before, every source resolved to refs/main's whatever
+    # engine_args.extra.revision said, and vLLM ignores a revision once the model is a local folder.
+    repo = tmp_path / "models--acme--tiny"
+    for ref, commit in (("main", "c0ffee"), ("v1", "abc123")):
+        (repo / "snapshots" / commit).mkdir(parents=True)
+        (repo / "snapshots" / commit / "config.json").write_text("{}")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / ref).write_text(commit)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    assert resolve_source("acme/tiny", revision="v1") == repo / "snapshots" / "abc123"
+    assert resolve_source("acme/tiny") == repo / "snapshots" / "c0ffee"
+
+
+def test_a_revision_for_a_source_without_revisions_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ModelSourceError, match=r"is no Hugging Face Hub id, so it has no revision 'v1': remove "
+                                               r"engine_args\.extra\.revision"):
+        resolve_source(str(tmp_path), revision="v1")
+
+
+@pytest.mark.parametrize(("extra", "refused"), [
+    ({"tokenizer_revision": "v2"}, "tokenizer_revision"),
+    ({"revision": "v1", "code_revision": "v2"}, "code_revision"),
+    ({"revision": "v1", "tokenizer_revision": "v1"}, None),
+])
+def test_a_tokenizer_or_code_revision_apart_from_the_models_is_refused(extra, refused):
+    from fleetserve.platform.config import ConfigError, parse_config
+
+    data = {"models": [{"name": "m", "source": "acme/tiny", "engine_args": {"extra": extra}}]}
+    if refused is None:
+        assert parse_config(data).models[0].source_revision == "v1"
+        return
+    with pytest.raises(ConfigError, match=rf"engine_args\.extra\.{refused}: the model's files come from one "
+                                          rf"revision of its source"):
+        parse_config(data)
+
+
 def test_a_hub_id_neither_the_hub_nor_the_cache_has_says_how_to_fetch_it(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)

@@ -66,6 +66,17 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
+    def _check_revisions(self) -> ModelConfig:
+        # The store fetches one revision into one folder, which vLLM then reads weights, code and tokenizer from.
+        for key in ("tokenizer_revision", "code_revision"):
+            value = self.engine_args.extra.get(key)
+            if value is not None and value != self.source_revision:
+                raise ValueError(f"engine_args.extra.{key}: the model's files come from one revision of its source "
+                                 f"(engine_args.extra.revision, {self.source_revision or 'the default branch'}); "
+                                 f"set revision instead")
+        return self
+
+    @model_validator(mode="after")
     def _check_kv_events(self) -> ModelConfig:
         if self.routing.prefix_source != "kv_events":
             return self
@@ -204,6 +215,11 @@ class ModelConfig(Strict):
                                  f"there would not start. Set it at most {share:g}, or leave it out for {share:g} x "
                                  f"vLLM's default")
         return self
+
+    @property
+    def source_revision(self) -> str | None:
+        """The Hub revision ``engine_args.extra.revision`` pins the source to; None: its default branch."""
+        return self.engine_args.extra.get("revision")
 
     @property
     def max_serving_replicas(self) -> int:

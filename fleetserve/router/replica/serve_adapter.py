@@ -96,13 +96,15 @@ class EventKeys:
     """Routing keys for prefix_source kv_events: each request's prompt token ids, tokenized exactly as the
     engine does, and a subscription to every replica's KV event stream."""
 
-    def __init__(self, tokenizer_source: str, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer_source: str, chat_template: str | None = None,
+                 tokenizer_revision: str | None = None) -> None:
         from transformers import AutoTokenizer
 
         from fleetserve.platform.engine import KV_EVENTS_TOPIC
         from fleetserve.platform.model_store import resolve_source
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_source(tokenizer_source)))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_source(tokenizer_source,
+                                                                          revision=tokenizer_revision)))
         # The replicas' chat template (the model's api.chat_template), so chats key as the engine renders them.
         self.chat_template = chat_template
         self.index = KVEventIndex()
@@ -140,11 +142,12 @@ class FleetserveRequestRouter(RequestRouter):
     """
 
     def initialize_state(self, routing: dict[str, Any] | None = None, tokenizer_source: str | None = None,
-                         chat_template: str | None = None) -> None:
+                         chat_template: str | None = None, tokenizer_revision: str | None = None) -> None:
         """Serve's request_router_kwargs: the model's ``routing:`` (as a dict: Serve's kwargs are JSON), and
-        for kv_events routing the tokenizer and chat template its engines use."""
+        for kv_events routing the tokenizer (and its Hub revision) and chat template its engines use."""
         config = RoutingConfig.model_validate(routing or {})
-        self.event_keys = EventKeys(tokenizer_source, chat_template) if config.prefix_source == "kv_events" else None
+        self.event_keys = (EventKeys(tokenizer_source, chat_template, tokenizer_revision)
+                           if config.prefix_source == "kv_events" else None)
         index = self.event_keys.index if self.event_keys is not None else None
         self.policy = make_policy(config, index)
         # Requests each replica accepted and has not finished.
