@@ -14,13 +14,17 @@ from starlette.routing import Route
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def hub_app(repo_id: str, files: dict[str, bytes], fetched: list[str]):
-    """An ASGI app serving ``files`` as ``repo_id``'s main revision; each file GET is appended to ``fetched``."""
+def hub_app(repo_id: str, files: dict[str, bytes], fetched: list[str],
+            asked: list[tuple[str, str | None]] | None = None):
+    """An ASGI app serving ``files`` as ``repo_id``'s main revision, under any revision name; each file GET is
+    appended to ``fetched``, and each revision lookup to ``asked`` as (revision, Authorization header)."""
 
     def etag(name: str) -> str:
         return f'"{hashlib.sha1(files[name]).hexdigest()}"'
 
-    async def revision(_: Request) -> JSONResponse:
+    async def revision(request: Request) -> JSONResponse:
+        if asked is not None:
+            asked.append((request.path_params["revision"], request.headers.get("authorization")))
         return JSONResponse({"id": repo_id, "sha": COMMIT, "siblings": [{"rfilename": name} for name in files]})
 
     async def tree(_: Request) -> JSONResponse:

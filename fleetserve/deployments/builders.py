@@ -92,6 +92,7 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
             # The router tokenizes prompts as the engines do, to match the blocks their events describe.
             router_kwargs = options["request_router_config"]["request_router_kwargs"]
             router_kwargs["tokenizer_source"] = model_path or model.source
+            # Not the hub token: Serve shows its router kwargs; the router reads HF_TOKEN.
             router_kwargs["tokenizer_revision"] = None if model_path else model.source_revision
             router_kwargs["chat_template"] = chat_template_text(model)
         return versioned(EngineDeployment.options(**options), version).bind(
@@ -124,7 +125,7 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
                     deployment_version(hub_options)).bind(adapters)
     engines = {}
     for model in config.models:
-        model_path = str(resolve_source(model.source, revision=model.source_revision)) if resolve_locally else None
+        model_path = str(resolve_source(model.source, hub=model.hub_fetch)) if resolve_locally else None
         engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls, config.server)
     # Configs cross .bind() as the validated objects themselves (Ray pickles them), not re-validated dicts.
     ingress = versioned(IngressDeployment.options(**ingress_options(config.limits, config.server)),

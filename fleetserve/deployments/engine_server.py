@@ -76,7 +76,7 @@ class EngineServer:
         self.metrics.set_start_time(time.time())
         with self.metrics.startup_phase(StartupPhase.MODEL_FILES):
             path = (Path(model_path) if model_path is not None
-                    else resolve_source(model.source, revision=model.source_revision))
+                    else resolve_source(model.source, hub=model.hub_fetch))
         extra = {"kv_transfer": kv_transfer} if kv_transfer is not None else {}
         if kv_events_port is not None:
             extra["kv_events_port"] = kv_events_port

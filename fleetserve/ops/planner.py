@@ -501,7 +501,7 @@ def plan_config(config: PlatformConfig, gpu: GpuSpec, partitioning: Partitioning
     plans = []
     for model in config.models:
         try:
-            folder = resolve_source(model.source, config_only=True, revision=model.source_revision)
+            folder = resolve_source(model.source, config_only=True, hub=model.hub_fetch)
         except ModelSourceError as error:
             raise PlanError(f"{model.name}: {error}") from None
         args = model.engine_args

@@ -21,6 +21,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
@@ -50,6 +51,19 @@ HUB_FILE_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "
 
 class ModelSourceError(ValueError):
     """A model source that cannot be resolved; the message says what was expected."""
+
+
+@dataclass(frozen=True)
+class HubFetch:
+    """How a Hub source is fetched: vLLM's own engine args for it, which vLLM ignores once given a local folder."""
+
+    # A branch, tag or commit (vLLM's revision); None: the default branch.
+    revision: str | None = None
+    # A Hub token, or True for the saved login's (vLLM's hf_token); None: HF_TOKEN's, if set.
+    token: str | bool | None = None
+    # Where the files are kept (vLLM's download_dir); None: Hugging Face's cache (HF_HUB_CACHE, HF_HOME).
+    cache_dir: str | None = None
+
 
 
 def cache_root() -> Path:
@@ -275,10 +289,10 @@ def _first_sentence(text: str) -> str:
     return line.split(". ")[0].rstrip(".")
 
 
-def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS, revision: str | None = None) -> Path:
-    """A Hugging Face Hub repository's serving files at ``revision`` (a branch, tag or commit; None: the default
-    branch), downloaded once into Hugging Face's cache (``HF_HOME``, or ``HF_HUB_CACHE``; ``HF_TOKEN`` for gated
-    models) with its progress bars, or the cached snapshot when the Hub cannot be reached.
+def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS, hub: HubFetch = HubFetch()) -> Path:
+    """A Hugging Face Hub repository's serving files at ``hub.revision``, downloaded once into ``hub.cache_dir`` or
+    Hugging Face's cache (``HF_HOME``, or ``HF_HUB_CACHE``; ``HF_TOKEN`` or ``hub.token`` for gated models) with its
+    progress bars, or the cached snapshot when the Hub cannot be reached.
 
     Raises:
         ModelSourceError: neither the Hub nor the cache has it, or it has no config.json.
@@ -286,8 +300,8 @@ def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS, re
     from huggingface_hub import snapshot_download
 
     try:
-        folder = Path(snapshot_download(repo_id, revision=revision, allow_patterns=list(patterns),
-                                        cache_dir=os.environ.get("HF_HUB_CACHE")))
+        folder = Path(snapshot_download(repo_id, revision=hub.revision, token=hub.token, allow_patterns=list(patterns),
+                                        cache_dir=hub.cache_dir or os.environ.get("HF_HUB_CACHE")))
     except Exception as error:  # noqa: BLE001 - network, auth, not-found and cache errors all end here
         raise ModelSourceError(
             f"model source {repo_id!r} is no local folder, and as a Hugging Face Hub id it could not be fetched "
@@ -299,26 +313,26 @@ def hub_snapshot(repo_id: str, patterns: tuple[str, ...] = HUB_FILE_PATTERNS, re
     return folder
 
 
-def resolve_source(source: str, config_only: bool = False, revision: str | None = None) -> Path:
+def resolve_source(source: str, config_only: bool = False, hub: HubFetch = HubFetch()) -> Path:
     """Resolves a model source to a local HF folder, converting or building it if needed.
 
     Args:
         config_only: a Hub model's JSON files are enough (the planner reads its shape, not its weights).
-        revision: the Hub revision to fetch (vLLM's ``revision`` engine arg, which vLLM itself ignores once the
-            model is a local folder); only a Hub id has revisions.
+        hub: how a Hub id is fetched (``ModelConfig.hub_fetch``); only a Hub id has revisions.
 
     Raises:
         ModelSourceError: when the source is neither a packaged id nor a usable path, or a revision is given
             for a source that is no Hub id.
     """
     kind = source_kind(source)
-    if revision is not None and kind is not SourceKind.HUB:
+    if hub.revision is not None and kind is not SourceKind.HUB:
         raise ModelSourceError(f"model source {source!r} is no Hugging Face Hub id, so it has no revision "
-                               f"{revision!r}: remove engine_args.extra.revision, or name the folder of that revision")
+                               f"{hub.revision!r}: remove engine_args.extra.revision, or name the folder of that "
+                               f"revision")
     if kind is SourceKind.PACKAGED:
         return tiny_random_llama() if source == TINY_RANDOM_LLAMA else convert_gguf(_PACKAGED_GGUF[source]())
     if kind is SourceKind.HUB:
-        return hub_snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS, revision)
+        return hub_snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS, hub)
     if kind is SourceKind.OBJECT_STORE:
         try:
             return snapshot(source, ("*.json",) if config_only else HUB_FILE_PATTERNS, "config.json", cache_root())

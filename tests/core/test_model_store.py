@@ -10,7 +10,7 @@ import pytest
 
 from hub_server import hub_app
 from fleetserve.platform import model_store
-from fleetserve.platform.model_store import ModelSourceError, SourceKind, resolve_source, source_kind
+from fleetserve.platform.model_store import HubFetch, ModelSourceError, SourceKind, resolve_source, source_kind
 
 
 @pytest.fixture
@@ -106,7 +106,7 @@ def test_a_pinned_revision_resolves_to_that_revisions_snapshot(tmp_path, monkeyp
         (repo / "refs" / ref).write_text(commit)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
-    assert resolve_source("acme/tiny", revision="v1") == repo / "snapshots" / "abc123"
+    assert resolve_source("acme/tiny", hub=HubFetch(revision="v1")) == repo / "snapshots" / "abc123"
     assert resolve_source("acme/tiny") == repo / "snapshots" / "c0ffee"
 
 
@@ -114,7 +114,7 @@ def test_a_revision_for_a_source_without_revisions_is_refused(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ModelSourceError, match=r"is no Hugging Face Hub id, so it has no revision 'v1': remove "
                                                r"engine_args\.extra\.revision"):
-        resolve_source(str(tmp_path), revision="v1")
+        resolve_source(str(tmp_path), hub=HubFetch(revision="v1"))
 
 
 @pytest.mark.parametrize(("extra", "refused"), [
@@ -146,10 +146,10 @@ HUB_FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"w
              "pytorch_model.bin": b"the same weights, pickled"}
 
 
-def resolve_in_a_fresh_process(hub_url: str, cache: Path, config_only: bool = False) -> Path:
+def resolve_in_a_fresh_process(hub_url: str, cache: Path, config_only: bool = False, hub: str = "HubFetch()") -> Path:
     # huggingface_hub reads its endpoint when imported: a process of its own, as a replica resolves its source.
-    script = ("import sys; from fleetserve.platform.model_store import resolve_source; "
-              f"print(resolve_source('acme/tiny', config_only={config_only}))")
+    script = ("import sys; from fleetserve.platform.model_store import HubFetch, resolve_source; "
+              f"print(resolve_source('acme/tiny', config_only={config_only}, hub={hub}))")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "HF_ENDPOINT": hub_url, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "0"})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -169,3 +169,20 @@ def test_a_hub_id_downloads_its_serving_files_once(tmp_path, loopback_server):
         # The planner reads a model's shape: its JSON files only, never the weights.
         planned = resolve_in_a_fresh_process(hub.url, tmp_path / "plan", config_only=True)
     assert sorted(path.name for path in planned.iterdir()) == ["config.json", "tokenizer.json"]
+
+
+def test_a_models_revision_token_and_download_dir_reach_the_hub_fetch(tmp_path, loopback_server):
+    # vLLM's revision, hf_token and download_dir, as a model's engine_args.extra gives them (ModelConfig.hub_fetch).
+    from fleetserve.platform.config import parse_config
+
+    extra = {"revision": "v1.2", "hf_token": "hf_secret", "download_dir": str(tmp_path / "volume")}
+    model = parse_config({"models": [{"name": "m", "source": "acme/tiny", "engine_args": {"extra": extra}}]}).models[0]
+    assert model.hub_fetch == HubFetch("v1.2", "hf_secret", str(tmp_path / "volume"))
+    fetched: list[str] = []
+    asked: list[tuple[str, str | None]] = []
+    with loopback_server(hub_app("acme/tiny", HUB_FILES, fetched, asked)) as hub:
+        folder = resolve_in_a_fresh_process(hub.url, tmp_path / "hub", hub=repr(model.hub_fetch))
+    assert asked == [("v1.2", "Bearer hf_secret")]
+    # In download_dir, not in the HF_HUB_CACHE the process was given.
+    assert folder.is_relative_to(tmp_path / "volume") and not (tmp_path / "hub").exists()
+

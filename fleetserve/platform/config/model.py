@@ -12,6 +12,7 @@ from fleetserve.platform.config.disaggregation import DisaggregationConfig, Pool
 from fleetserve.platform.config.engine import KV_LAYOUT_ARGS, RAY_MIG_RESOURCE_PREFIX, ApiConfig, EngineArgs, Resources
 from fleetserve.platform.config.lora import LoraConfig
 from fleetserve.platform.config.routing import RoutingConfig
+from fleetserve.platform.model_store import HubFetch
 
 
 # Serve's max_ongoing_requests for an engine replica whose config sets a small max_num_seqs: room for requests
@@ -220,6 +221,13 @@ class ModelConfig(Strict):
     def source_revision(self) -> str | None:
         """The Hub revision ``engine_args.extra.revision`` pins the source to; None: its default branch."""
         return self.engine_args.extra.get("revision")
+
+    @property
+    def hub_fetch(self) -> HubFetch:
+        """How the store fetches a Hub source: vLLM's revision, hf_token and download_dir engine args, which vLLM
+        itself ignores once the source is a local folder."""
+        extra = self.engine_args.extra
+        return HubFetch(self.source_revision, extra.get("hf_token"), extra.get("download_dir"))
 
     @property
     def max_serving_replicas(self) -> int:

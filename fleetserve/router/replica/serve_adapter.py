@@ -101,10 +101,10 @@ class EventKeys:
         from transformers import AutoTokenizer
 
         from fleetserve.platform.engine import KV_EVENTS_TOPIC
-        from fleetserve.platform.model_store import resolve_source
+        from fleetserve.platform.model_store import HubFetch, resolve_source
 
-        self.tokenizer = AutoTokenizer.from_pretrained(str(resolve_source(tokenizer_source,
-                                                                          revision=tokenizer_revision)))
+        folder = resolve_source(tokenizer_source, hub=HubFetch(revision=tokenizer_revision))
+        self.tokenizer = AutoTokenizer.from_pretrained(str(folder))
         # The replicas' chat template (the model's api.chat_template), so chats key as the engine renders them.
         self.chat_template = chat_template
         self.index = KVEventIndex()
