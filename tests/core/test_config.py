@@ -162,6 +162,18 @@ def test_tensor_parallel_config_errors(model, expected):
         parse_config({"models": [{"name": "m", "source": "x", **model}]})
 
 
+@pytest.mark.parametrize(("key", "value", "reason"), [
+    ("model", "/models/other", "the platform gives vLLM the local folder of the model's source: set source"),
+    ("served_model_name", ["alias"], "clients call the model by its name, and adapters by theirs: set name"),
+    ("disable_log_stats", True, "the platform's metrics, admission control and autoscaling read every engine"),
+])
+def test_engine_args_the_platform_sets_are_refused_in_extra(key, value, reason):
+    # Before, each was accepted and reached vLLM beside the platform's own: the replica failed at start with
+    # "got multiple values for keyword argument".
+    with pytest.raises(ConfigError, match=rf"models\.0: .*engine_args\.extra\.{key}: {reason}"):
+        parse_config({"models": [{"name": "m", "source": "x", "engine_args": {"extra": {key: value}}}]})
+
+
 def test_tensor_parallel_replica_asks_for_a_gpu_per_rank():
     config = parse_config({"models": [{"name": "m", "source": "x", "resources": {"num_gpus": 4},
                                        "engine_args": {"tensor_parallel_size": 4}}]})

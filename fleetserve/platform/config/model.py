@@ -27,6 +27,14 @@ PARALLELISM_OWNED = {
     "data_parallel_size": "scale data-parallel with replicas (or autoscaling), which the platform routes between",
 }
 
+# Engine args the platform sets on every engine, and why each is refused in ``extra`` (vLLM would get the key
+# twice, and the replica would fail at start with a TypeError).
+ENGINE_OWNED = {
+    "model": "the platform gives vLLM the local folder of the model's source: set source",
+    "served_model_name": "clients call the model by its name, and adapters by theirs: set name",
+    "disable_log_stats": "the platform's metrics, admission control and autoscaling read every engine step's stats",
+}
+
 
 class ModelConfig(Strict):
     """One served model."""
@@ -64,6 +72,13 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _check_start_at_zero(self) -> ModelConfig:
         check_start_at_zero(self.replicas, self.autoscaling, "model")
+        return self
+
+    @model_validator(mode="after")
+    def _check_engine_owned(self) -> ModelConfig:
+        owned = sorted(set(self.engine_args.extra) & set(ENGINE_OWNED))
+        if owned:
+            raise ValueError(f"engine_args.extra.{owned[0]}: {ENGINE_OWNED[owned[0]]}")
         return self
 
     @model_validator(mode="after")
@@ -172,6 +187,10 @@ class ModelConfig(Strict):
             if "kv_transfer_config" in args.extra:
                 raise ValueError(f"{where}.engine_args: kv_transfer_config is set by the platform; remove it")
             _check_no_kv_offloading(pool.engine_args.get("extra") or {}, f"{where}.engine_args.extra")
+            owned = sorted(set(args.extra) & set(ENGINE_OWNED | PARALLELISM_OWNED))
+            if owned:
+                raise ValueError(f"{where}.engine_args.extra.{owned[0]}: "
+                                 f"{(ENGINE_OWNED | PARALLELISM_OWNED)[owned[0]]}")
             layouts[phase] = {key: getattr(args, key) for key in KV_LAYOUT_ARGS}
             if pool.autoscaling is not None and pool.autoscaling.pool not in ("colocated", phase):
                 raise ValueError(f"{where}.autoscaling.pool is {pool.autoscaling.pool!r}; this pool is {phase!r}")
