@@ -54,14 +54,14 @@ def main() -> None:
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
-    from fleetserve.deployments.serve_options import local_cluster_runtime_env
+    from fleetserve.deployments.serve_options import job_runtime_env
     from fleetserve.platform.instant_engine import InstantEngine
 
     config = parse_config({"models": [{"name": "instant", "source": "tiny-random-llama",
                                        "resources": {"num_cpus": 0.1}}],
                            "server": {"serve_fast_path": not args.serve_defaults}})
     # As `fleetserve serve` starts its cluster with this config, so the proxy runs as it would there.
-    ray.init(include_dashboard=False, log_to_driver=False, runtime_env=local_cluster_runtime_env(config.server))
+    ray.init(include_dashboard=False, log_to_driver=False, runtime_env=job_runtime_env(config.server))
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     engine_cls = InstantEngine.paced(args.step_ms / 1000) if args.step_ms else InstantEngine

@@ -69,7 +69,7 @@ from fleetserve.loadtest.processes import resident_bytes
 from fleetserve.loadtest.report import save_results
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
 from fleetserve.deployments.ingress.heap import MEMRAY_ENV, TRACEMALLOC_ENV
-from fleetserve.deployments.serve_options import local_cluster_runtime_env
+from fleetserve.deployments.serve_options import job_runtime_env
 from fleetserve.platform.config import ServerConfig, parse_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -301,7 +301,7 @@ def main() -> None:
         os.sched_setaffinity(0, args.front_door_cores)
     # As `fleetserve serve` starts its cluster: Serve's proxy on the fast path when the default config has it.
     ray.init(include_dashboard=False, log_to_driver=False,
-             runtime_env=local_cluster_runtime_env(ServerConfig(serve_fast_path=args.fast_path)))
+             runtime_env=job_runtime_env(ServerConfig(serve_fast_path=args.fast_path)))
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     if args.load_tester_cores:
         # Ray's processes keep the affinity they started with; threads this one starts from now inherit it.

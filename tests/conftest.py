@@ -97,13 +97,13 @@ class Served:
 def ray_cluster():
     import ray
 
-    from fleetserve.deployments.serve_options import local_cluster_runtime_env
+    from fleetserve.deployments.serve_options import job_runtime_env
     from fleetserve.platform.config import ServerConfig
 
     # As `fleetserve serve` starts its cluster; FLEETSERVE_TEST_FAST_PATH=1 puts every app the suite serves on
     # Serve's fast path (the job's runtime_env reaches Serve's controller, proxies and replicas).
     server = ServerConfig(serve_fast_path=os.environ.get("FLEETSERVE_TEST_FAST_PATH") == "1")
-    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=4, runtime_env=local_cluster_runtime_env(server))
+    ray.init(include_dashboard=False, log_to_driver=False, num_cpus=4, runtime_env=job_runtime_env(server))
     yield
     ray.shutdown()
 

@@ -58,7 +58,7 @@ def serve(
     from fleetserve.deployments.builders import build_app
     from fleetserve.deployments.local_run import AppStartError, ClusterError, start_ray
     from fleetserve.deployments.placement import PlacementError
-    from fleetserve.deployments.serve_options import HAPROXY_PORT_ENV, local_cluster_runtime_env, serve_runtime_env
+    from fleetserve.deployments.serve_options import HAPROXY_PORT_ENV, job_runtime_env
     from fleetserve.platform.model_store import ModelSourceError
     from fleetserve.platform.ports import bindable
     from fleetserve.platform.shm import remove_orphaned_segments
@@ -87,7 +87,7 @@ def serve(
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     names = ", ".join(model.name for model in config.models)
-    runtime_env = local_cluster_runtime_env(config.server) if address is None else serve_runtime_env(config.server)
+    runtime_env = job_runtime_env(config.server, local_cluster=address is None)
     moved = {name: port for name, port in runtime_env.get("env_vars", {}).items() if name in HAPROXY_PORT_ENV}
     if moved:
         console.print("HAProxy's default ports are taken on this machine (another cluster?): "

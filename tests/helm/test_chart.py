@@ -256,8 +256,9 @@ def test_object_store_credentials_reach_every_pod_even_without_the_model_cache()
                 *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]:
         assert pod["serviceAccountName"] == "model-reader"
         [container] = pod["containers"]
-        assert [item["name"] for item in container["env"]] == ["HF_TOKEN", "AWS_ENDPOINT_URL"]
-        assert container["env"][1] == endpoint and container["envFrom"] == [keys]
+        assert [item["name"] for item in container["env"]] == ["RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS", "HF_TOKEN",
+                                                               "AWS_ENDPOINT_URL"]
+        assert container["env"][2] == endpoint and container["envFrom"] == [keys]
     jsonschema_validate_rayservice(service)
 
 
@@ -268,9 +269,22 @@ def test_the_model_cache_takes_a_claim_or_can_be_left_out():
         in head["template"]["spec"]["volumes"]
     head = find(render({"modelCache": {"enabled": False}}), "RayService")["spec"]["rayClusterConfig"]["headGroupSpec"]
     assert [volume["name"] for volume in head["template"]["spec"]["volumes"]] == ["api-keys", "dshm"]
-    assert "env" not in head["template"]["spec"]["containers"][0]
+    # Serve's controller setting alone: no cache paths.
+    assert head["template"]["spec"]["containers"][0]["env"] == [{"name": "RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS",
+                                                                 "value": "1"}]
     assert "envFrom" not in head["template"]["spec"]["containers"][0]
     assert "serviceAccountName" not in head["template"]["spec"]
+
+
+@pytest.mark.parametrize(("server", "delay_s"), [
+    ({}, 330),  # drain_timeout_s's default, 300 s, + 30 s for the Service switch to reach clients
+    ({"drain_timeout_s": 42.5}, 73),  # ceil(42.5) + 30
+])
+def test_an_upgraded_away_cluster_is_kept_while_its_replicas_drain(server, delay_s):
+    platform = {"server": server, "models": [{"name": "m", "source": "smollm2-135m-instruct"}]}
+    service = find(render({"platform": platform}), "RayService")
+    assert service["spec"]["rayClusterDeletionDelaySeconds"] == delay_s
+    jsonschema_validate_rayservice(service)
 
 
 def test_extra_volumes_mount_in_every_pod_beside_the_charts_own():
@@ -312,15 +326,16 @@ def test_a_shared_memory_size_must_be_a_kubernetes_quantity():
 
 @pytest.mark.parametrize("server", [{}, {"serve_fast_path": True}, {"serve_fast_path": False}])
 def test_every_pod_takes_serves_fast_path_as_the_platform_config_says(server):
-    from fleetserve.deployments.serve_options import FAST_PATH_ENV
+    from fleetserve.deployments.serve_options import CONTROLLER_ENV, FAST_PATH_ENV
 
     service = find(render({"workerGroups": {"colocated-3g-40gb": MIG_GROUP},
                            "platform": {"server": server}}), "RayService")["spec"]
     cluster = service["rayClusterConfig"]
     pods = [cluster["headGroupSpec"]["template"]["spec"],
             *(group["template"]["spec"] for group in cluster["workerGroupSpecs"])]
-    # The proxies run outside the replicas' runtime_env: their pods carry the same options.
-    expected = FAST_PATH_ENV if server.get("serve_fast_path", False) else {}
+    # The proxies and the controller run outside the replicas' runtime_env: their pods carry the same options
+    # (the job's runtime_env, fleetserve.deployments.serve_options.job_runtime_env).
+    expected = {**CONTROLLER_ENV, **(FAST_PATH_ENV if server.get("serve_fast_path", False) else {})}
     for pod in pods:
         env = {item["name"]: item["value"] for item in pod["containers"][0]["env"]}
         assert {name: value for name, value in env.items() if name.startswith("RAY_SERVE_")} == expected

@@ -92,12 +92,15 @@ def test_a_local_cluster_moves_only_the_haproxy_ports_another_process_holds(monk
         free.close()  # a port known to have been free a moment ago
         monkeypatch.setattr(serve_options, "HAPROXY_PORT_ENV", {"RAY_SERVE_HAPROXY_STATS_PORT": held.getsockname()[1],
                                                                 "RAY_SERVE_HAPROXY_METRICS_PORT": free_port})
-        env = serve_options.local_cluster_runtime_env(ServerConfig(serve_fast_path=True))["env_vars"]
+        env = serve_options.job_runtime_env(ServerConfig(serve_fast_path=True))["env_vars"]
         # The held port's variable points elsewhere, at a port free when chosen; the free one keeps Ray's default.
-        assert set(env) == {*serve_options.FAST_PATH_ENV, "RAY_SERVE_HAPROXY_STATS_PORT"}
+        assert set(env) == {*serve_options.FAST_PATH_ENV, *serve_options.CONTROLLER_ENV, "RAY_SERVE_HAPROXY_STATS_PORT"}
         assert int(env["RAY_SERVE_HAPROXY_STATS_PORT"]) not in (held.getsockname()[1], 0)
         # Off the fast path there is no HAProxy: nothing to move.
-        assert serve_options.local_cluster_runtime_env(ServerConfig()) == {}
+        assert serve_options.job_runtime_env(ServerConfig()) == {"env_vars": serve_options.CONTROLLER_ENV}
+        # Another cluster's HAProxy ports are that cluster's to choose.
+        assert set(serve_options.job_runtime_env(ServerConfig(serve_fast_path=True), local_cluster=False)[
+            "env_vars"]) == {*serve_options.FAST_PATH_ENV, *serve_options.CONTROLLER_ENV}
 
 
 @pytest.mark.parametrize("grpc", [True, False])
@@ -124,3 +127,13 @@ def test_the_ingress_runs_as_many_replicas_as_the_config_says():
     config = parse_config({"models": [{"name": "m", "source": "x"}], "server": {"num_ingress_replicas": 2}})
     assert ingress_options(config.limits, config.server)["num_replicas"] == 2
     assert ingress_options(config.limits, ServerConfig())["num_replicas"] == 1
+
+
+def test_stopping_replicas_drain_for_the_configured_time():
+    from fleetserve.deployments.serve_options import ingress_options
+
+    # 300 s by default, where Serve's own 20 s cut any longer generation when a replica stopped.
+    assert deployment_options(model(), ServerConfig())["graceful_shutdown_timeout_s"] == 300
+    config = parse_config({"models": [{"name": "m", "source": "x"}], "server": {"drain_timeout_s": 45}})
+    assert deployment_options(config.models[0], config.server)["graceful_shutdown_timeout_s"] == 45
+    assert ingress_options(config.limits, config.server)["graceful_shutdown_timeout_s"] == 45

@@ -60,6 +60,11 @@ class ServerConfig(Strict):
     # requests over them, so a tenant whose requests land unevenly may be limited a little early. One
     # replica's death ends only its own streams.
     num_ingress_replicas: int = Field(default=1, ge=1)
+    # Seconds a stopping ingress or engine replica (scaled down, replaced by a rolling update or `fleetserve
+    # apply`, or shut down) keeps serving the requests it holds before Serve kills it; one holding none stops at
+    # once. Serve's default, 20 s, cut every generation that outlasted it. The chart's RayService keeps an
+    # upgraded-away cluster this long too (plus 30 s).
+    drain_timeout_s: float = Field(default=300.0, gt=0)
     # Cross-origin requests from browser code; None answers none (unlike `vllm serve`, which allows every
     # origin unless told otherwise).
     cors: CorsConfig | None = None

@@ -72,8 +72,10 @@ resources: {{ printf "{\"mig-%s\": 1}" .group.migProfile | quote }}
 {{- $fastPath := and (hasKey $server "serve_fast_path") $server.serve_fast_path -}}
 image: {{ printf "%s:%s" .Values.image.repository .Values.image.tag | quote }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
-{{- if or .Values.modelCache.enabled $fastPath .Values.hubToken.existingSecret .Values.extraEnv }}
 env:
+  {{- /* Serve's controller force-stops a replica that failed its health check, rather than draining requests a
+       stalled engine never finishes (fleetserve.deployments.serve_options.CONTROLLER_ENV). */}}
+  - {name: RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS, value: "1"}
   {{- if .Values.modelCache.enabled }}
   - {name: FLEETSERVE_CACHE, value: /var/cache/fleetserve/models}
   - {name: VLLM_CACHE_ROOT, value: /var/cache/fleetserve/vllm}
@@ -93,7 +95,6 @@ env:
   {{- with .Values.extraEnv }}
   {{- toYaml . | nindent 2 }}
   {{- end }}
-{{- end }}
 {{- with .Values.extraEnvFrom }}
 envFrom:
   {{- toYaml . | nindent 2 }}
