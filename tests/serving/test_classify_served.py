@@ -9,9 +9,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 import pytest
+from cluster_helpers import one_model_app
 from factories import model_entry
-
-from fleetserve.platform.config import parse_config
 
 pytestmark = pytest.mark.slow
 QUERY = "the cat"
@@ -41,15 +40,9 @@ def classifier(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def classify_app(served, classifier):
-    from ray import serve
-
-    from fleetserve.deployments.builders import build_app
-
     entry = model_entry("judge", source=str(classifier), extra={"runner": "pooling"})
-    config = parse_config({"models": [{**entry, "resources": {"num_cpus": 0.1, "cpu_binding": ["1"]}}]})
-    serve.run(build_app(config), name="classify", route_prefix="/classify-app")
-    yield f"{served.base_url}/classify-app"
-    serve.delete("classify")
+    with one_model_app(served.base_url, "classify-app", entry, cpu_binding="1") as url:
+        yield url
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:

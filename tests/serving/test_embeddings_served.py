@@ -8,9 +8,8 @@ import base64
 import httpx
 import numpy as np
 import pytest
+from cluster_helpers import one_model_app
 from factories import model_entry
-
-from fleetserve.platform.config import parse_config
 
 pytestmark = pytest.mark.slow
 TEXTS = ["the cat sat on the mat", "a completely different sentence about ships"]
@@ -18,16 +17,10 @@ TEXTS = ["the cat sat on the mat", "a completely different sentence about ships"
 
 @pytest.fixture(scope="module")
 def embed_app(served):
-    from ray import serve
-
-    from fleetserve.deployments.builders import build_app
-
     # The tiny Llama run as an embedding model: vLLM's pooling runner, last-token pooling, normalised.
     entry = model_entry("embed", extra={"runner": "pooling", "convert": "embed"})
-    config = parse_config({"models": [{**entry, "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]}}]})
-    serve.run(build_app(config), name="embed", route_prefix="/embed")
-    yield f"{served.base_url}/embed"
-    serve.delete("embed")
+    with one_model_app(served.base_url, "embed", entry, cpu_binding="0") as url:
+        yield url
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
