@@ -65,7 +65,6 @@ class HubFetch:
     cache_dir: str | None = None
 
 
-
 def cache_root() -> Path:
     """Where converted and built models are cached (``FLEETSERVE_CACHE`` overrides)."""
     return Path(os.environ.get("FLEETSERVE_CACHE", Path.home() / ".cache" / "fleetserve"))
@@ -122,8 +121,7 @@ class SourceKind(str, Enum):
 
 def source_kind(source: str) -> SourceKind:
     """What ``source`` names: a packaged id first, then an object-store URI, then a path that exists, then a Hub
-    id ("org/name");
-    anything else is a path, perhaps missing."""
+    id ("org/name"); anything else is a path, perhaps missing."""
     if source in PACKAGED_MODELS:
         return SourceKind.PACKAGED
     if is_object_store_uri(source):

@@ -31,7 +31,6 @@ class PoolConfig(Strict):
     # Replica routing inside the pool; None: the model's routing for prefill, least_loaded for decode.
     routing: RoutingConfig | None = None
 
-
     @model_validator(mode="after")
     def _check_start_at_zero(self) -> PoolConfig:
         check_start_at_zero(self.replicas, self.autoscaling, "pool")
