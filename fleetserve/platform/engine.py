@@ -122,12 +122,6 @@ class GenerationDelta:
     kv_transfer_params: dict[str, Any] | None = None
 
 
-def _vllm_engine_arg_names() -> set[str]:
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-
-
 def chat_token_ids(tokenizer: Any, messages: Sequence[dict[str, Any]], chat_template: str | None = None) -> list[int]:
     """A chat's prompt token ids, exactly as the engine builds them (the router hashes the same ids).
 
@@ -194,7 +188,7 @@ class Engine:
         from vllm.usage.usage_lib import UsageContext
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from fleetserve.platform.openai_app import frontend_args
+        from fleetserve.platform.openai_app import frontend_args, vllm_engine_arg_names
 
         frontend = frontend_args(model, model_path)
 
@@ -203,7 +197,7 @@ class Engine:
         if model.api.reasoning_parser is not None:
             # An engine arg in vLLM: structured outputs must know where reasoning ends.
             kwargs.setdefault("reasoning_parser", model.api.reasoning_parser)
-        unknown = sorted(set(model.engine_args.extra) - _vllm_engine_arg_names())
+        unknown = sorted(set(model.engine_args.extra) - vllm_engine_arg_names())
         if unknown:
             raise ConfigError(f"models[{model.name}].engine_args.extra: vLLM has no engine args {unknown}")
         if cpu_binding is not None:

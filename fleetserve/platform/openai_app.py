@@ -7,9 +7,11 @@ as ``vllm serve`` serves it: fleetserve reimplements none of it.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +93,14 @@ def lora_module_flags(model: ModelConfig, base_path: Path) -> list[str]:
     return ["--lora-modules", *modules]
 
 
+@cache
+def vllm_engine_arg_names() -> frozenset[str]:
+    """The names of vLLM's engine args (``AsyncEngineArgs``' fields)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return frozenset(field.name for field in dataclasses.fields(AsyncEngineArgs))
+
+
 def frontend_args(model: ModelConfig, model_path: Path) -> Any:
     """vLLM's parsed server arguments (an argparse Namespace) for this model.
 
@@ -100,6 +110,12 @@ def frontend_args(model: ModelConfig, model_path: Path) -> Any:
     from vllm.entrypoints.launchers.cli_args import make_arg_parser, validate_parsed_serve_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    engine_keys = sorted(set(model.api.extra) & vllm_engine_arg_names())
+    if engine_keys:
+        # vLLM's server parser takes engine args too, but the replica builds its engine from engine_args: here
+        # they would change nothing, or (served_model_name) make the app answer to a name the engine lacks.
+        raise ConfigError(f"models[{model.name}].api.extra: {engine_keys} are engine args, which the api section "
+                          f"cannot set: put them in engine_args")
     parser = make_arg_parser(FlexibleArgumentParser(exit_on_error=False))
     flags = frontend_flags(model) + lora_module_flags(model, model_path)
     try:

@@ -39,3 +39,20 @@ def test_every_flag_reaches_vllms_parser():
 def test_a_flag_vllm_rejects_is_a_config_error_naming_the_model():
     with pytest.raises(ConfigError, match=r"models\[m\]\.api: vLLM rejects"):
         frontend_args(model(extra={"tool_strict_level": "lax"}), Path("/models/m"))
+
+
+@pytest.mark.parametrize("extra", [{"max_model_len": 99}, {"served_model_name": "alias"}, {"model": "/models/x"}])
+def test_an_engine_arg_in_the_api_section_is_a_config_error(extra):
+    # vLLM's server parser takes engine args too, so each parsed before: max_model_len changed nothing (the
+    # engine is built from engine_args), and served_model_name made the app answer to a name the engine lacks.
+    with pytest.raises(ConfigError, match=rf"models\[m\]\.api\.extra: \['{next(iter(extra))}'\] are engine args, "
+                                          r"which the api section cannot set: put them in engine_args"):
+        frontend_args(model(extra=extra), Path("/models/m"))
+
+
+def test_lora_modules_in_the_api_section_are_refused_naming_lora_adapters():
+    from fleetserve.platform.config import parse_config
+
+    # Before, the platform's own --lora-modules came last and vLLM's parser kept only those: these were dropped.
+    with pytest.raises(ConfigError, match=r"lora_modules: adapters are lora\.adapters"):
+        parse_config({"models": [{"name": "m", "source": "x", "api": {"extra": {"lora_modules": ["a=/a"]}}}]})

@@ -60,6 +60,8 @@ _HTTP_SERVER = ("an option of the HTTP server `vllm serve` runs; a replica runs 
 # request the ingress forwards).
 SERVER_OWNED_FLAGS = {
     "api_key": "API keys are checked at the front door: use the auth section",
+    # The platform passes the configured adapters itself; a second list here would replace them.
+    "lora_modules": "adapters are lora.adapters (or loaded at run time through /v1/load_lora_adapter)",
     **{flag: "CORS is answered at the front door: use server.cors"
        for flag in ("allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials")},
     **{flag: _HTTP_SERVER for flag in (
