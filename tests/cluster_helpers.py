@@ -1,33 +1,16 @@
-"""Helpers for tests against Serve apps on the suite's Ray cluster: one-model apps, health, replica actors, engine
-gauges, a shared-prefix routing workload."""
+"""Helpers for tests against Serve apps on the suite's Ray cluster: health, replica actors, engine gauges, a
+shared-prefix routing workload."""
 
 from __future__ import annotations
 
-import contextlib
 import random
 import re
 import time
 from collections import defaultdict
-from collections.abc import Iterator
-from typing import Any
 
 import httpx
 
 from fleetserve.loadtest.datasets import PromptMaker, shared_prefix_dataset
-
-@contextlib.contextmanager
-def one_model_app(base_url: str, app: str, entry: dict[str, Any], cpu_binding: str) -> Iterator[str]:
-    """Serves one model (a ``model_entry``) as its own app under ``/<app>`` on one core; yields the app's URL."""
-    from ray import serve
-
-    from fleetserve.deployments.builders import build_app
-    from fleetserve.platform.config import parse_config
-
-    config = parse_config({"models": [{**entry, "resources": {"num_cpus": 0.1, "cpu_binding": [cpu_binding]}}]})
-    serve.run(build_app(config), name=app, route_prefix=f"/{app}")
-    yield f"{base_url}/{app}"
-    serve.delete(app)
-
 
 # vLLM gauge -> short name, as engine_gauges() reports them.
 GAUGES = {"vllm:num_requests_running": "running", "vllm:num_requests_waiting": "waiting",
