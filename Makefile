@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 serve: $(STAMPS)/install
 	$(BIN)/fleetserve serve $(CONFIG)
 
-# Everything: the architecture's import contracts, then every test, real engines included (pytest 27-43 min on
+# Everything: the architecture's import contracts, then every test, real engines included (pytest 27-44 min on
 # 2 cores in fresh-clone runs, after a ~5-minute install; engine start-ups dominate: see `--durations`).
 test: $(STAMPS)/install $(STAMPS)/system lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
