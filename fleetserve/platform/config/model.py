@@ -34,6 +34,7 @@ ENGINE_OWNED = {
     "served_model_name": "clients call the model by its name, and adapters by theirs: set name",
     "disable_log_stats": "the platform's metrics, admission control and autoscaling read every engine step's stats",
 }
+PLATFORM_OWNED = {**PARALLELISM_OWNED, **ENGINE_OWNED}
 
 
 class ModelConfig(Strict):
@@ -75,10 +76,8 @@ class ModelConfig(Strict):
         return self
 
     @model_validator(mode="after")
-    def _check_engine_owned(self) -> ModelConfig:
-        owned = sorted(set(self.engine_args.extra) & set(ENGINE_OWNED))
-        if owned:
-            raise ValueError(f"engine_args.extra.{owned[0]}: {ENGINE_OWNED[owned[0]]}")
+    def _check_platform_owned(self) -> ModelConfig:
+        _check_not_platform_owned(self.engine_args.extra, "engine_args.extra")
         return self
 
     @model_validator(mode="after")
@@ -126,9 +125,6 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _check_parallelism(self) -> ModelConfig:
         num_ranks = self.engine_args.tensor_parallel_size
-        owned = sorted(set(self.engine_args.extra) & set(PARALLELISM_OWNED))
-        if owned:
-            raise ValueError(f"engine_args.extra: {owned}: {PARALLELISM_OWNED[owned[0]]}")
         if num_ranks == 1:
             return self
         if self.resources.num_gpus and self.resources.num_gpus != num_ranks:
@@ -187,10 +183,7 @@ class ModelConfig(Strict):
             if "kv_transfer_config" in args.extra:
                 raise ValueError(f"{where}.engine_args: kv_transfer_config is set by the platform; remove it")
             _check_no_kv_offloading(pool.engine_args.get("extra") or {}, f"{where}.engine_args.extra")
-            owned = sorted(set(args.extra) & set(ENGINE_OWNED | PARALLELISM_OWNED))
-            if owned:
-                raise ValueError(f"{where}.engine_args.extra.{owned[0]}: "
-                                 f"{(ENGINE_OWNED | PARALLELISM_OWNED)[owned[0]]}")
+            _check_not_platform_owned(args.extra, f"{where}.engine_args.extra")
             layouts[phase] = {key: getattr(args, key) for key in KV_LAYOUT_ARGS}
             if pool.autoscaling is not None and pool.autoscaling.pool not in ("colocated", phase):
                 raise ValueError(f"{where}.autoscaling.pool is {pool.autoscaling.pool!r}; this pool is {phase!r}")
@@ -308,3 +301,10 @@ def _check_no_kv_offloading(extra: dict[str, Any], where: str) -> None:
         if extra.get(key) is not None:
             raise ValueError(f"{where}.{key}: vLLM's KV offloading replaces the NIXL connector that moves KV from "
                              f"prefill to decode engines; offload KV on a colocated model, or remove it")
+
+
+def _check_not_platform_owned(extra: dict[str, Any], where: str) -> None:
+    """Refuses an engine arg in ``extra`` that the platform sets itself (``PLATFORM_OWNED``), with the reason."""
+    owned = sorted(set(extra) & PLATFORM_OWNED.keys())
+    if owned:
+        raise ValueError(f"{where}.{owned[0]}: {PLATFORM_OWNED[owned[0]]}")
