@@ -19,7 +19,7 @@ from fleetserve.deployments.serve_options import (control_actor_options, deploym
                                                   ingress_options, serve_runtime_env)
 from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, ServerConfig, parse_config
 from fleetserve.platform.engine import Engine, plan_cpu_binding
-from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.model_store import resolve_source, with_local_draft
 from fleetserve.platform.openai_app import chat_template_text
 
 
@@ -125,7 +125,10 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
                     deployment_version(hub_options)).bind(adapters)
     engines = {}
     for model in config.models:
-        model_path = str(resolve_source(model.source, hub=model.hub_fetch)) if resolve_locally else None
+        model_path = None
+        if resolve_locally:
+            model_path = str(resolve_source(model.source, hub=model.hub_fetch))
+            model = with_local_draft(model)
         engines[model.name] = _engine_deployment(model, bindings, model_path, hub, engine_cls, config.server)
     # Configs cross .bind() as the validated objects themselves (Ray pickles them), not re-validated dicts.
     ingress = versioned(IngressDeployment.options(**ingress_options(config.limits, config.server)),

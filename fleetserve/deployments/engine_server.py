@@ -31,7 +31,7 @@ from fleetserve.platform.config import ModelConfig
 from fleetserve.platform.engine import Engine, EngineDeadError
 from fleetserve.platform.kv_transfer import KVTransferSpec
 from fleetserve.platform.metrics import EngineMetrics, StartupPhase
-from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.model_store import resolve_source, with_local_draft
 from fleetserve.platform.openai_app import responses_store_enabled
 from fleetserve.platform.progress import CALL_PROGRESS, CallProgress
 from fleetserve.platform.relay import relay, request_headers
@@ -68,7 +68,9 @@ class EngineServer:
         self.replica_id = replica_id
         self.pool = model.pool
         self.metrics = EngineMetrics(model.name, replica_id, self.pool,
-                                     model.lora.max_loras if model.lora is not None else None)
+                                     model.lora.max_loras if model.lora is not None else None,
+                                     num_speculative_tokens=(model.engine_args.speculative_config or {}).get(
+                                         "num_speculative_tokens"))
         # One reporter per reader of this replica's reports: each reads at its own period.
         self._autoscaling_reporter = ReplicaReporter(replica_id, self.pool)
         self._routing_reporter = ReplicaReporter(replica_id, self.pool)
@@ -77,6 +79,7 @@ class EngineServer:
         with self.metrics.startup_phase(StartupPhase.MODEL_FILES):
             path = (Path(model_path) if model_path is not None
                     else resolve_source(model.source, hub=model.hub_fetch))
+            model = with_local_draft(model)
         extra = {"kv_transfer": kv_transfer} if kv_transfer is not None else {}
         if kv_events_port is not None:
             extra["kv_events_port"] = kv_events_port

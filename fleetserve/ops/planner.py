@@ -83,20 +83,25 @@ class ModelShape:
     vocab_size: int = 0
     # Bytes per activation element (the dtype vLLM's LoRA buffers take, lora_dtype auto).
     activation_dtype_bytes: int = 2
+    # A speculative decoding draft served in the same engine: its weights load beside the model's, and its
+    # layers take KV from the same pool, for every token the model holds.
+    draft: ModelShape | None = None
 
     @property
     def weight_bytes(self) -> int:
-        return int(round(self.num_params * self.bytes_per_param))
+        own = int(round(self.num_params * self.bytes_per_param))
+        return own + (self.draft.weight_bytes if self.draft is not None else 0)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+        return self.kv_bytes_per_token_per_rank(1)
 
     def kv_bytes_per_token_per_rank(self, num_ranks: int) -> int:
         """One rank's KV per token over ``num_ranks`` ranks: its share of the KV heads, and a whole head when
-        there are more ranks than KV heads (vLLM then copies each KV head to several ranks)."""
+        there are more ranks than KV heads (vLLM then copies each KV head to several ranks); a draft's too."""
         heads = max(1, self.num_kv_heads // num_ranks)
-        return 2 * self.num_layers * heads * self.head_dim * self.kv_dtype_bytes
+        own = 2 * self.num_layers * heads * self.head_dim * self.kv_dtype_bytes
+        return own + (self.draft.kv_bytes_per_token_per_rank(num_ranks) if self.draft is not None else 0)
 
     def lora_bytes_per_rank(self, lora: LoraSlots | None, num_ranks: int = 1) -> int:
         """One rank's LoRA buffers, as vLLM allocates them at start (vllm/lora/layers): per adapter slot, A
@@ -505,8 +510,10 @@ def plan_config(config: PlatformConfig, gpu: GpuSpec, partitioning: Partitioning
         except ModelSourceError as error:
             raise PlanError(f"{model.name}: {error}") from None
         args = model.engine_args
-        shape = model_shape(model.name, folder, args.dtype, args.quantization,
-                            str(args.extra.get("kv_cache_dtype", "auto")))
+        kv_cache_dtype = str(args.extra.get("kv_cache_dtype", "auto"))
+        shape = model_shape(model.name, folder, args.dtype, args.quantization, kv_cache_dtype)
+        if model.draft_source is not None:
+            shape = replace(shape, draft=_draft_shape(model, kv_cache_dtype))
         targets = replace(inputs, context_len=context_len or args.max_model_len or inputs.context_len,
                           concurrency=concurrency or args.max_num_seqs or inputs.concurrency)
         lora = None if model.lora is None else LoraSlots(model.lora.max_loras, model.lora.max_lora_rank,
@@ -519,6 +526,19 @@ def plan_config(config: PlatformConfig, gpu: GpuSpec, partitioning: Partitioning
                             f"which disaggregated models do not support yet: serve it colocated")
         plans.append(plan)
     return plans
+
+
+def _draft_shape(model: ModelConfig, kv_cache_dtype: str) -> ModelShape:
+    """The shape of the model's speculative decoding draft, served in the model's dtype as vLLM serves it."""
+    from fleetserve.platform.model_store import ModelSourceError, resolve_source
+
+    spec = model.engine_args.speculative_config or {}
+    try:
+        folder = resolve_source(str(model.draft_source), config_only=True, hub=model.draft_hub_fetch)
+    except ModelSourceError as error:
+        raise PlanError(f"{model.name}: engine_args.speculative_config.model: {error}") from None
+    return model_shape(f"{model.name} (draft)", folder, model.engine_args.dtype, spec.get("quantization"),
+                       spec.get("kv_cache_dtype") or kv_cache_dtype)
 
 
 def _pool_replicas(model: ModelConfig, at_most: bool = True) -> dict[str, int]:

@@ -57,9 +57,11 @@ class EngineMetrics:
     """vLLM-named metrics of one engine replica, fed from the engine's stat logger."""
 
     def __init__(self, model_name: str, replica: str, pool: str = "colocated", max_loras: int | None = None,
-                 clock: Any = time.monotonic) -> None:
+                 clock: Any = time.monotonic, num_speculative_tokens: int | None = None) -> None:
         """Args: ``max_loras``, the engine's LoRA slots; None (no LoRA) leaves out vllm:lora_requests_info;
-        ``clock``, monotonic seconds for timing start-up phases."""
+        ``clock``, monotonic seconds for timing start-up phases; ``num_speculative_tokens``, the draft length of
+        speculative decoding, whose series start at zero with it (None: they appear with the first draft, if any).
+        """
         self._clock = clock
         self.registry = CollectorRegistry(auto_describe=True)
         values = (model_name, replica, pool)
@@ -107,6 +109,9 @@ class EngineMetrics:
                                  "When the engine replica's constructor began, in Unix seconds.")
         self._startup = Gauge("fleetserve_replica_startup_seconds", "Seconds an engine replica spent in each phase "
                               "of its start.", [*LABELS, "phase"], registry=self.registry)
+        self._spec_decode: _SpecDecodeCounters | None = None
+        if num_speculative_tokens is not None:
+            self._spec_decode = _SpecDecodeCounters(self.registry, values, num_speculative_tokens)
 
     def set_start_time(self, unix_s: float) -> None:
         """Records when the replica's constructor began (a cold start's request time subtracted from it is
@@ -137,6 +142,11 @@ class EngineMetrics:
                 self.prefix_cache_hits.inc(prefix.hits)
             if self._lora_info is not None:
                 self._record_lora(scheduler_stats)
+            spec = getattr(scheduler_stats, "spec_decoding_stats", None)
+            if spec is not None:
+                if self._spec_decode is None:
+                    self._spec_decode = _SpecDecodeCounters(self.registry, self._values, spec.num_spec_tokens)
+                self._spec_decode.observe(spec)
         if iteration_stats is None:
             return
         self.num_preemptions.inc(iteration_stats.num_preempted_reqs)
@@ -163,6 +173,31 @@ class EngineMetrics:
     def exposition(self) -> bytes:
         """This engine's series in Prometheus text format."""
         return generate_latest(self.registry)
+
+
+class _SpecDecodeCounters:
+    """vLLM's speculative decoding counters (vllm/v1/spec_decode/metrics.py): accepted over draft tokens is the
+    acceptance rate, and accepted tokens per position show how far into a draft it stays right."""
+
+    def __init__(self, registry: CollectorRegistry, values: tuple[str, ...], num_speculative_tokens: int) -> None:
+        def counter(name: str, doc: str) -> Any:
+            return Counter(name, doc, LABELS, registry=registry).labels(*values)
+
+        self.num_drafts = counter("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.")
+        self.num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        per_position = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                               [*LABELS, "position"], registry=registry)
+        self.accepted_per_position = [per_position.labels(*values, str(position))
+                                      for position in range(num_speculative_tokens)]
+
+    def observe(self, spec: Any) -> None:
+        """Folds in one step's ``SpecDecodingStats``."""
+        self.num_drafts.inc(spec.num_drafts)
+        self.num_draft_tokens.inc(spec.num_draft_tokens)
+        self.num_accepted_tokens.inc(spec.num_accepted_tokens)
+        for counter, accepted in zip(self.accepted_per_position, spec.num_accepted_tokens_per_pos):
+            counter.inc(accepted)
 
 
 class _Families:

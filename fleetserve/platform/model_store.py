@@ -24,10 +24,14 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
 from fleetserve.platform.object_store import ObjectStoreError, is_object_store_uri, snapshot
+
+if TYPE_CHECKING:
+    from fleetserve.platform.config.model import ModelConfig
 
 # Bump when the tiny model's recipe changes, so cached copies are rebuilt.
 _TINY_RECIPE_VERSION = 2
@@ -349,3 +353,20 @@ def resolve_source(source: str, config_only: bool = False, hub: HubFetch = HubFe
         f"model source {source!r} not found: expected a HF folder, a .gguf file, a folder in object storage "
         f"(s3://, gs://, az://), or one of the packaged ids {', '.join(PACKAGED_MODELS)}"
     )
+
+
+def with_local_draft(model: ModelConfig) -> ModelConfig:
+    """``model`` with its speculative decoding draft resolved to a local folder, from any source its own may be
+    (vLLM would take a packaged id, a .gguf or an object-store URI for a Hub id); ``model`` itself without one.
+
+    Raises:
+        ModelSourceError: the draft's source cannot be resolved.
+    """
+    source = model.draft_source
+    if source is None:
+        return model
+    try:
+        folder = resolve_source(source, hub=model.draft_hub_fetch)
+    except ModelSourceError as error:
+        raise ModelSourceError(f"models[{model.name}].engine_args.speculative_config.model: {error}") from None
+    return model.with_draft_path(str(folder))

@@ -41,6 +41,9 @@ QWEN2_05B = {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 486
 QWEN2_7B = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
             "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+LLAMA_3_2_1B = {"model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16,
+                "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+                "tie_word_embeddings": True, "torch_dtype": "bfloat16"}
 INPUTS = PlanInputs(context_len=4096, concurrency=8)
 MIG, WHOLE, SHARED = Partitioning.MIG, Partitioning.WHOLE, Partitioning.SHARED
 
@@ -194,6 +197,30 @@ def test_plan_config_sizes_lora_buffers_from_the_models_lora_section(tmp_path):
     [adapted] = plan_config(with_adapters, gpu("h100-80gb"), MIG, PlanInputs())
     # The chart's kv_cache_memory_bytes leaves the buffers their room: vLLM allocates them beside an explicit KV pool.
     assert plain.kv_cache_bytes_per_gpu - adapted.kv_cache_bytes_per_gpu == 1_477_705_728
+
+
+def test_a_speculative_draft_takes_its_weights_and_kv_from_the_replicas_memory(tmp_path):
+    config = planned_models(tmp_path, llama=(LLAMA_3_8B, 1))
+    entry = config.models[0].model_dump(mode="json")
+    draft = folder(tmp_path, "llama-3.2-1b", LLAMA_3_2_1B)
+    entry["engine_args"]["speculative_config"] = {"model": str(draft), "num_speculative_tokens": 4}
+    [plain] = plan_config(config, gpu("h100-80gb"), MIG, PlanInputs())
+    [drafted] = plan_config(parse_config({"models": [entry]}), gpu("h100-80gb"), MIG, PlanInputs())
+    draft_weights = model_shape("d", draft).weight_bytes
+    # 1,235,814,400 parameters (embedding tied) x 2 bytes (bf16).
+    assert draft_weights == 2_471_628_800
+    assert drafted.weight_bytes == plain.weight_bytes + draft_weights
+    # KV per token: 131,072 for the 8B's 32 layers + 2 x 16 layers x 8 KV heads x 64 x 2 bytes = 32,768.
+    assert (plain.kv_bytes_per_token, drafted.kv_bytes_per_token) == (131_072, 163_840)
+    assert drafted.kv_cache_bytes_per_gpu == plain.kv_cache_bytes_per_gpu - draft_weights
+
+
+def test_a_missing_draft_is_a_plan_error_naming_its_key(tmp_path):
+    config = planned_models(tmp_path, llama=(LLAMA_3_8B, 1))
+    entry = config.models[0].model_dump(mode="json")
+    entry["engine_args"]["speculative_config"] = {"model": str(tmp_path / "nowhere"), "num_speculative_tokens": 4}
+    with pytest.raises(PlanError, match=r"llama: engine_args\.speculative_config\.model: model source .* not found"):
+        plan_config(parse_config({"models": [entry]}), gpu("h100-80gb"), MIG, PlanInputs())
 
 
 def test_plan_config_reads_fully_sharded_loras_from_the_engine_args(tmp_path):

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from vllm.v1.metrics.stats import FinishedRequestStats, IterationStats, PrefixCacheStats, SchedulerStats
+from vllm.v1.spec_decode.metrics import SpecDecodingStats
 
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.platform.metrics import EngineMetrics, StartupPhase, merge_expositions
@@ -62,6 +63,43 @@ def test_lora_info_names_the_current_adapters_only():
             for labels, _ in info] == [("c", "", "2")]
     assert info[0][1] > 1.7e9
     assert b"vllm:lora_requests_info" not in EngineMetrics("m", "r0").exposition()  # no LoRA, no series
+
+
+def spec_step(drafts: list[tuple[int, int]], num_spec_tokens: int = 3) -> SchedulerStats:
+    """A step whose drafts each proposed and had accepted the (draft tokens, accepted tokens) given."""
+    scheduler, _ = step()
+    scheduler.spec_decoding_stats = SpecDecodingStats.new(num_spec_tokens)
+    for num_draft_tokens, num_accepted_tokens in drafts:
+        scheduler.spec_decoding_stats.observe_draft(num_draft_tokens, num_accepted_tokens)
+    return scheduler
+
+
+@pytest.mark.parametrize("declared", [3, None])
+def test_speculative_decoding_counts_drafts_under_vllms_names(declared):
+    metrics = EngineMetrics("m", "r0", num_speculative_tokens=declared)
+    metrics.record(spec_step([(3, 3), (3, 1)]), None)
+    metrics.record(spec_step([(3, 0)]), None)
+    got = {(name, dict(labels).get("position")): value
+           for (name, labels), value in samples(metrics.exposition()).items() if name.startswith("vllm:spec_decode")}
+    # 3 drafts of 3 tokens; accepted 3 + 1 + 0; position 0 accepted by the first two drafts, 1 and 2 by the first.
+    assert got == {("vllm:spec_decode_num_drafts_total", None): 3, ("vllm:spec_decode_num_draft_tokens_total", None): 9,
+                   ("vllm:spec_decode_num_accepted_tokens_total", None): 4,
+                   ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0"): 2,
+                   ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "1"): 1,
+                   ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "2"): 1}
+
+
+def test_the_dashboards_speculative_decoding_series_are_the_engines():
+    names = {name for name in dashboard_metric_names() if name.startswith("vllm:spec_decode")}
+    assert names == {"vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_draft_tokens_total"}
+    assert names <= {name for name, _ in samples(EngineMetrics("m", "r0", num_speculative_tokens=2).exposition())}
+
+
+def test_speculative_decoding_series_start_at_zero_when_declared_and_are_absent_without_it():
+    assert b"vllm:spec_decode_num_drafts_total{" in EngineMetrics("m", "r0", num_speculative_tokens=2).exposition()
+    plain = EngineMetrics("m", "r0")
+    plain.record(*step())
+    assert b"spec_decode" not in plain.exposition()
 
 
 def test_merged_exposition_keeps_every_replica_and_parses():

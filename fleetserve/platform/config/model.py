@@ -242,6 +242,29 @@ class ModelConfig(Strict):
         return HubFetch(self.source_revision, extra.get("hf_token"), extra.get("download_dir"))
 
     @property
+    def draft_source(self) -> str | None:
+        """The source of the speculative decoding draft's weights (``engine_args.speculative_config.model``); None
+        where there are none: no speculative decoding, drafts from the prompt (ngram, suffix), a class to load."""
+        spec = self.engine_args.speculative_config or {}
+        method, source = spec.get("method"), spec.get("model")
+        if not isinstance(source, str) or method in ("suffix", "custom_class") or str(method).startswith("ngram"):
+            return None
+        return source
+
+    @property
+    def draft_hub_fetch(self) -> HubFetch:
+        """How the store fetches a Hub draft: its own revision (``speculative_config.revision``), the model's token
+        and download folder."""
+        hub = self.hub_fetch
+        return HubFetch((self.engine_args.speculative_config or {}).get("revision"), hub.token, hub.cache_dir)
+
+    def with_draft_path(self, path: str) -> ModelConfig:
+        """A copy whose speculative decoding draft is read from the local folder ``path``."""
+        copy = self.model_copy(deep=True)
+        copy.engine_args.speculative_config = {**(copy.engine_args.speculative_config or {}), "model": path}
+        return copy
+
+    @property
     def max_serving_replicas(self) -> int:
         """Most replicas that answer the ingress (colocated, or the decode pool): the autoscaling maximum."""
         serving = self.serving_model()
