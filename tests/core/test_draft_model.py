@@ -72,3 +72,17 @@ def test_a_packaged_draft_keeps_its_id_in_the_config(tmp_path):
     config = load_config(config_file)
     assert config.models[0].draft_source == "tiny-random-llama"
     assert config_paths(config) == []
+
+
+def test_build_app_hands_the_engine_deployment_the_resolved_draft():
+    from fleetserve.deployments.builders import build_app
+    from fleetserve.platform.config import parse_config
+    from fleetserve.platform.model_store import resolve_source
+
+    config = parse_config({"models": [model_entry(speculative_config={"model": "tiny-random-llama",
+                                                                      "num_speculative_tokens": 2})]})
+    engines = build_app(config)._bound_deployment.init_args[0]
+    bound_model = engines["tiny"]._bound_deployment.init_args[0]
+    assert bound_model.engine_args.speculative_config == {"model": str(resolve_source("tiny-random-llama")),
+                                                          "num_speculative_tokens": 2}
+    assert config.models[0].draft_source == "tiny-random-llama"  # the config the ingress keeps is unchanged
