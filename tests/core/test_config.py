@@ -130,6 +130,8 @@ def test_routed_example_resolves_checkpoints_next_to_the_file():
      "the platform sets it"),
     ({"routing": {"prefix_source": "kv_events"},
       "disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}, "not supported for disaggregated"),
+    ({"routing": {"prefix_source": "kv_events"}, "engine_args": {"extra": {"tokenizer": "acme/tokenizer"}}},
+     "engine_args.extra.tokenizer with routing.prefix_source kv_events is not supported yet"),
 ])
 def test_kv_event_routing_config_errors(model, expected):
     with pytest.raises(ConfigError, match=expected):

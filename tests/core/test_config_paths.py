@@ -15,8 +15,11 @@ def test_config_paths_lists_local_paths_and_leaves_out_packaged_hub_and_inline_s
     (folder / "config.json").write_text("{}")
     config = parse_config({
         "models": [
-            {**model_entry("local", str(folder)), "api": {"chat_template": "/templates/chatml.jinja"}},
-            {**model_entry("hub", "HuggingFaceTB/SmolLM2-135M-Instruct"), "api": {"chat_template": "{{ messages }}"}},
+            {**model_entry("local", str(folder), speculative_config={"model": "/drafts/small"},
+                           extra={"tokenizer": "/tokenizers/local"}),
+             "api": {"chat_template": "/templates/chatml.jinja"}},
+            {**model_entry("hub", "HuggingFaceTB/SmolLM2-135M-Instruct", speculative_config={"model": "acme/draft"},
+                           extra={"tokenizer": "acme/tokenizer"}), "api": {"chat_template": "{{ messages }}"}},
             {**model_entry("tiny"), "lora": {"adapters": [{"name": "seeded", "source": "random-lora:3"},
                                                           {"name": "tuned", "source": "/adapters/tuned"}]}},
         ],
@@ -27,6 +30,8 @@ def test_config_paths_lists_local_paths_and_leaves_out_packaged_hub_and_inline_s
     })
     assert config_paths(config) == [
         ConfigPath("models[local].source", str(folder)),
+        ConfigPath("models[local].engine_args.speculative_config.model", "/drafts/small"),
+        ConfigPath("models[local].engine_args.extra.tokenizer", "/tokenizers/local"),
         ConfigPath("models[local].api.chat_template", "/templates/chatml.jinja"),
         ConfigPath("models[tiny].lora.adapters[tuned].source", "/adapters/tuned"),
         ConfigPath("model_routing.checkpoints.mlp", "/routers/mlp"),
@@ -36,13 +41,15 @@ def test_config_paths_lists_local_paths_and_leaves_out_packaged_hub_and_inline_s
 
 
 def test_config_paths_are_the_loaded_configs_absolute_ones(tmp_path):
+    (tmp_path / "tokenizers" / "big").mkdir(parents=True)
     path = tmp_path / "routed.yaml"
     path.write_text(yaml.safe_dump({
-        "models": [model_entry("tiny"), model_entry("big")],
+        "models": [model_entry("tiny"), model_entry("big", extra={"tokenizer": "tokenizers/big"})],
         "model_routing": {"checkpoints": {"mlp": "routers/mlp"}, "tiers": ["tiny", "big"],
                           "routes": [{"name": "auto", "router": "mlp", "strong_fraction": 0.3}]}}))
-    assert config_paths(load_config(path)) == [ConfigPath("model_routing.checkpoints.mlp",
-                                                          str(tmp_path / "routers" / "mlp"))]
+    assert config_paths(load_config(path)) == [
+        ConfigPath("models[big].engine_args.extra.tokenizer", str(tmp_path / "tokenizers" / "big")),
+        ConfigPath("model_routing.checkpoints.mlp", str(tmp_path / "routers" / "mlp"))]
 
 
 def test_outside_keeps_paths_under_no_mount_and_every_relative_one():

@@ -103,6 +103,11 @@ class ModelConfig(Strict):
         if "kv_events_config" in self.engine_args.extra:
             raise ValueError("engine_args.extra.kv_events_config: the platform sets it for "
                              "routing.prefix_source kv_events; remove it")
+        if self.engine_args.extra.get("tokenizer") is not None:
+            # Blocks match by token ids: tokenized apart from the engines, no prompt would find its cache.
+            raise ValueError("engine_args.extra.tokenizer with routing.prefix_source kv_events is not supported yet: "
+                             "the router tokenizes prompts with the source's tokenizer; put the tokenizer in the "
+                             "model's folder, or use routed")
         return self
 
     @model_validator(mode="after")

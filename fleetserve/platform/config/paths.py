@@ -25,7 +25,7 @@ class ConfigPath:
 
 
 def config_paths(config: PlatformConfig) -> list[ConfigPath]:
-    """Every file or folder the config names: model, draft and adapter folders, router checkpoints, the recording
+    """Every file or folder the config names: model, draft, tokenizer and adapter folders, router checkpoints, the recording
     folder, the API keys file and chat template files; packaged ids, Hub ids and inline templates are not paths.
     """
     paths = []
@@ -35,6 +35,9 @@ def config_paths(config: PlatformConfig) -> list[ConfigPath]:
         draft = model.draft_source
         if draft is not None and source_kind(draft) is SourceKind.PATH:
             paths.append(ConfigPath(f"models[{model.name}].engine_args.speculative_config.model", draft))
+        tokenizer = model.engine_args.extra.get("tokenizer")
+        if isinstance(tokenizer, str) and source_kind(tokenizer) is SourceKind.PATH:
+            paths.append(ConfigPath(f"models[{model.name}].engine_args.extra.tokenizer", tokenizer))
         template = model.api.chat_template
         if template is not None and not any(marker in template for marker in _JINJA_MARKERS):
             paths.append(ConfigPath(f"models[{model.name}].api.chat_template", template))

@@ -138,8 +138,8 @@ def _beside(value: str, folder: Path) -> str:
 
 
 def _resolve_model_paths(model: ModelConfig, folder: Path) -> None:
-    """Makes a model's source, speculative decoding draft, adapter sources and chat template file relative to the
-    config's folder."""
+    """Makes a model's source, speculative decoding draft, tokenizer, adapter sources and chat template file
+    relative to the config's folder."""
     from fleetserve.platform.model_store import SourceKind, source_kind
 
     if source_kind(model.source) is not SourceKind.PACKAGED:  # the store takes a packaged id before any folder
@@ -149,6 +149,9 @@ def _resolve_model_paths(model: ModelConfig, folder: Path) -> None:
     draft = model.draft_source
     if draft is not None and source_kind(draft) is not SourceKind.PACKAGED:
         model.engine_args.speculative_config["model"] = _beside(draft, folder)
+    tokenizer = model.engine_args.extra.get("tokenizer")
+    if isinstance(tokenizer, str):
+        model.engine_args.extra["tokenizer"] = _beside(tokenizer, folder)
     for adapter in model.lora.adapters if model.lora is not None else []:
         adapter.source = _beside(adapter.source, folder)
 
