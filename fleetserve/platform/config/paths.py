@@ -25,8 +25,9 @@ class ConfigPath:
 
 
 def config_paths(config: PlatformConfig) -> list[ConfigPath]:
-    """Every file or folder the config names: model, draft, tokenizer and adapter folders, router checkpoints, the recording
-    folder, the API keys file and chat template files; packaged ids, Hub ids and inline templates are not paths.
+    """Every file or folder the config names: model, draft, tokenizer and adapter folders, router checkpoints, the
+    recording folder, the API keys file and chat template files; packaged ids, Hub ids and inline templates are not
+    paths.
     """
     paths = []
     for model in config.models:
