@@ -56,3 +56,18 @@ def test_lora_modules_in_the_api_section_are_refused_naming_lora_adapters():
     # Before, the platform's own --lora-modules came last and vLLM's parser kept only those: these were dropped.
     with pytest.raises(ConfigError, match=r"lora_modules: adapters are lora\.adapters"):
         parse_config({"models": [{"name": "m", "source": "x", "api": {"extra": {"lora_modules": ["a=/a"]}}}]})
+
+
+@pytest.mark.parametrize(("flag", "reason"), [
+    ("api_server_count", "a replica runs one vLLM app over its engine"),
+    ("headless", "a replica runs one vLLM app over its engine"),
+    ("enable_tokenizer_info_endpoint", "an endpoint the front door does not forward"),
+    ("enable_server_load_tracking", "an endpoint the front door does not forward"),
+    ("config", "put its keys in engine_args and api"),
+])
+def test_a_flag_that_would_do_nothing_in_a_replica_is_refused_naming_why(flag, reason):
+    from fleetserve.platform.config import parse_config
+
+    # vLLM's parser takes each, and a replica's app never acts on it: accepted, it would do nothing.
+    with pytest.raises(ConfigError, match=rf"{flag}: .*{reason}"):
+        parse_config({"models": [{"name": "m", "source": "x", "api": {"extra": {flag: 2}}}]})

@@ -55,6 +55,10 @@ class EngineArgs(WithExtra):
 
 _HTTP_SERVER = ("an option of the HTTP server `vllm serve` runs; a replica runs vLLM's app behind the platform's "
                 "front door, which has its own in `server:`")
+_LAUNCHER = ("an option of how `vllm serve` starts its processes; a replica runs one vLLM app over its engine, and "
+             "Serve starts replicas: use replicas and autoscaling")
+_NOT_FORWARDED = ("it adds an endpoint the front door does not forward (it forwards the OpenAI, Anthropic, pooling "
+                  "and tokenize paths)")
 # vLLM frontend flags that act on `vllm serve`'s own HTTP server or its outermost middleware, which an engine
 # replica does not run, and why each is refused: accepted, they would do nothing (or, api_key, refuse every
 # request the ingress forwards).
@@ -69,6 +73,12 @@ SERVER_OWNED_FLAGS = {
         "ssl_cert_reqs", "ssl_ciphers", "enable_ssl_refresh", "uvicorn_log_level", "disable_uvicorn_access_log",
         "disable_access_log_for_endpoints", "h11_max_incomplete_event_size", "h11_max_header_count",
         "disable_fastapi_docs", "enable_offline_docs", "data_parallel_supervisor_port")},
+    **{flag: _LAUNCHER for flag in ("api_server_count", "headless", "grpc", "dp_supervisor_probe_failure_threshold",
+                                    "dp_supervisor_probe_interval_s", "dp_supervisor_probe_timeout_s")},
+    **{flag: _NOT_FORWARDED for flag in ("enable_server_load_tracking", "enable_tokenizer_info_endpoint",
+                                         "enable_scale_out")},
+    "config": "a file of `vllm serve` options: put its keys in engine_args and api",
+    "model_tag": "the model is the model's source",
 }
 
 
