@@ -21,7 +21,9 @@ def test_config_paths_lists_local_paths_and_leaves_out_packaged_hub_and_inline_s
             {**model_entry("hub", "HuggingFaceTB/SmolLM2-135M-Instruct", speculative_config={"model": "acme/draft"},
                            extra={"tokenizer": "acme/tokenizer"}), "api": {"chat_template": "{{ messages }}"}},
             {**model_entry("tiny"), "lora": {"adapters": [{"name": "seeded", "source": "random-lora:3"},
-                                                          {"name": "tuned", "source": "/adapters/tuned"}]}},
+                                                          {"name": "tuned", "source": "/adapters/tuned"}],
+                                             "adapter_root": "/adapters/tiny"}},
+            {**model_entry("stored"), "lora": {"adapter_root": "s3://adapters/stored"}},
         ],
         "model_routing": {"checkpoints": {"mlp": "/routers/mlp"}, "tiers": ["tiny", "local"],
                           "routes": [{"name": "auto", "router": "mlp", "strong_fraction": 0.3}],
@@ -34,6 +36,7 @@ def test_config_paths_lists_local_paths_and_leaves_out_packaged_hub_and_inline_s
         ConfigPath("models[local].engine_args.extra.tokenizer", "/tokenizers/local"),
         ConfigPath("models[local].api.chat_template", "/templates/chatml.jinja"),
         ConfigPath("models[tiny].lora.adapters[tuned].source", "/adapters/tuned"),
+        ConfigPath("models[tiny].lora.adapter_root", "/adapters/tiny"),
         ConfigPath("model_routing.checkpoints.mlp", "/routers/mlp"),
         ConfigPath("model_routing.recording.directory", "/var/log/routed"),
         ConfigPath("auth.api_keys_file", "/etc/fleetserve/api-keys.yaml"),
@@ -42,12 +45,15 @@ def test_config_paths_lists_local_paths_and_leaves_out_packaged_hub_and_inline_s
 
 def test_config_paths_are_the_loaded_configs_absolute_ones(tmp_path):
     (tmp_path / "tokenizers" / "big").mkdir(parents=True)
+    (tmp_path / "adapters").mkdir()
     path = tmp_path / "routed.yaml"
     path.write_text(yaml.safe_dump({
-        "models": [model_entry("tiny"), model_entry("big", extra={"tokenizer": "tokenizers/big"})],
+        "models": [{**model_entry("tiny"), "lora": {"adapter_root": "adapters"}},
+                   model_entry("big", extra={"tokenizer": "tokenizers/big"})],
         "model_routing": {"checkpoints": {"mlp": "routers/mlp"}, "tiers": ["tiny", "big"],
                           "routes": [{"name": "auto", "router": "mlp", "strong_fraction": 0.3}]}}))
     assert config_paths(load_config(path)) == [
+        ConfigPath("models[tiny].lora.adapter_root", str(tmp_path / "adapters")),
         ConfigPath("models[big].engine_args.extra.tokenizer", str(tmp_path / "tokenizers" / "big")),
         ConfigPath("model_routing.checkpoints.mlp", str(tmp_path / "routers" / "mlp"))]
 

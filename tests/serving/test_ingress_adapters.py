@@ -3,6 +3,8 @@ checks, and permissions. The engine side (vLLM's own load and unload) is tested 
 
 from __future__ import annotations
 
+import asyncio
+
 import httpx
 import pytest
 
@@ -147,3 +149,77 @@ async def test_adapter_permissions_and_admin_only_changes(fake_engine_cls):
     not_admin = await call(app, "/v1/load_lora_adapter", change, keys["app"])
     assert (not_admin.status_code, not_admin.json()["error"]["code"]) == (403, "admin_required")
     assert (await call(app, "/v1/load_lora_adapter", change, keys["ops"])).status_code == 200
+
+
+def rooted(name: str = "base", root: str = "/roots/base") -> ModelConfig:
+    return ModelConfig.model_validate({"name": name, "source": "unused", "lora": {"adapter_root": root}})
+
+
+class SlowClient(RecordingClient):
+    """Takes a while to load, as a replica fetching an adapter does."""
+
+    async def change_adapter(self, op, name, source, load_inplace):
+        await asyncio.sleep(0.05)
+        assert load_inplace  # another ingress replica may be loading it too
+        return await super().change_adapter(op, name, source, load_inplace)
+
+
+async def test_an_adapter_under_the_root_loads_once_on_its_first_requests(fake_engine_cls):
+    config = rooted()
+    client = SlowClient(EngineServer(config, engine_cls=fake_engine_cls, model_path="/unused"))
+    router = OpenAIIngress({"base": client}, models={"base": config})
+    app = router.build_app()
+    body = {"model": "base:sql", "prompt": "a b", "max_tokens": 2}
+    first = await asyncio.gather(*(call(app, "/v1/completions", body) for _ in range(3)))
+    assert [response.status_code for response in first] == [200, 200, 200]
+    assert first[0].headers["x-fleetserve-model"] == "base:sql"
+    assert (await call(app, "/v1/completions", body)).status_code == 200
+    # Three requests while it loaded, one after: one load, from the root's subfolder.
+    assert client.changes == [(AdapterOp.LOAD, "base:sql", "/roots/base/sql")]
+    cards = (await call(app, "/v1/models")).json()["data"]
+    assert [(card["id"], card.get("parent")) for card in cards] == [("base", None), ("base:sql", "base")]
+
+
+@pytest.mark.parametrize(("name", "status", "code"), [
+    ("base:..", 400, "invalid_adapter_name"),       # a path out of the root
+    ("base:.cache", 400, "invalid_adapter_name"),
+    ("base:a/b", 400, "invalid_adapter_name"),
+    ("other:sql", 404, "model_not_found"),          # a model without an adapter root
+    ("nobody:sql", 404, "model_not_found"),
+])
+async def test_a_name_that_is_no_adapter_under_a_root_is_refused_without_a_load(fake_engine_cls, name, status, code):
+    router, clients = ingress(fake_engine_cls, [rooted(), model("other", {})])
+    response = await call(router.build_app(), "/v1/completions", {"model": name, "prompt": "a", "max_tokens": 1})
+    assert (response.status_code, response.json()["error"]["code"]) == (status, code)
+    assert all(client.changes == [] for client in clients.values())
+
+
+async def test_an_adapter_missing_from_the_root_is_a_404_naming_it(fake_engine_cls):
+    missing = (404, b'{"error":{"message":"lora_path s3://b/base/nope: no such adapter","type":"NotFoundError",'
+                    b'"param":"lora_path","code":404}}')
+    router, _ = ingress(fake_engine_cls, [rooted(root="s3://b/base/")], error=missing)
+    app = router.build_app()
+    response = await call(app, "/v1/completions", {"model": "base:nope", "prompt": "a", "max_tokens": 1})
+    assert response.status_code == 404
+    assert response.json()["error"] == {
+        "message": "The model `base:nope` does not exist: lora_path s3://b/base/nope: no such adapter",
+        "type": "not_found_error", "param": "model", "code": "model_not_found"}
+    assert [card["id"] for card in (await call(app, "/v1/models")).json()["data"]] == ["base"]
+
+
+async def test_a_tenant_uses_the_roots_adapters_of_a_base_it_may_use_and_loads_no_other(fake_engine_cls):
+    keys = {"app": "sk-app-0001", "other": "sk-oth-0002"}
+    door = FrontDoor(AuthConfig.model_validate({
+        "tenants": {"app": {"models": ["base"]}, "other": {"models": ["plain"]}},
+        "api_keys": [{"sha256": hash_key(keys["app"]), "tenant": "app"},
+                     {"sha256": hash_key(keys["other"]), "tenant": "other"}]}))
+    router, clients = ingress(fake_engine_cls, [rooted(), model("plain")], front_door=door)
+    app = router.build_app()
+    body = {"model": "base:sql", "prompt": "a", "max_tokens": 1}
+    refused = await call(app, "/v1/completions", body, keys["other"])
+    assert (refused.status_code, refused.json()["error"]["code"]) == (403, "model_not_allowed")
+    assert clients["base"].changes == []  # refused before any load
+    assert (await call(app, "/v1/completions", body, keys["app"])).status_code == 200
+    assert [card["id"] for card in (await call(app, "/v1/models", key=keys["app"])).json()["data"]] == [
+        "base", "base:sql"]
+    assert (await call(app, "/v1/completions", body, keys["other"])).status_code == 403

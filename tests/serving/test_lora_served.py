@@ -29,19 +29,27 @@ MAX_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def lora_app(served):
-    """The tiny model on 2 replicas (one per core) with two adapters. Each engine holds one adapter at a time
-    (max_cpu_loras 1), so where an adapter's requests go decides how often engines reload it. An engine that
-    holds requests 20 s without a step counts as hung (its steps here take milliseconds)."""
+def lora_app(served, tmp_path_factory):
+    """The tiny model on 2 replicas (one per core) with two adapters, and an adapter root whose folder `c` holds
+    tiny-c's weights. Each engine holds one adapter at a time (max_cpu_loras 1), so where an adapter's requests
+    go decides how often engines reload it. An engine that holds requests 20 s without a step counts as hung
+    (its steps here take milliseconds)."""
+    import shutil
+
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
     from fleetserve.platform.config import parse_config
+    from fleetserve.platform.lora_store import random_lora
+    from fleetserve.platform.model_store import resolve_source
 
+    root = tmp_path_factory.mktemp("adapter-root")
+    seed = int(RUNTIME["tiny-c"].removeprefix("random-lora:"))
+    shutil.copytree(random_lora(Path(resolve_source("tiny-random-llama")), seed), root / "c")
     config = parse_config({"models": [{
         **model_entry(BASE), "replicas": 2, "resources": {"num_cpus": 0.1, "cpu_binding": ["0", "1"]},
         "stall_timeout_s": 20,
-        "lora": {"adapters": [{"name": n, "source": s} for n, s in CONFIGURED.items()],
+        "lora": {"adapters": [{"name": n, "source": s} for n, s in CONFIGURED.items()], "adapter_root": str(root),
                  "max_loras": 1, "max_cpu_loras": 1, "max_lora_rank": 8},
         "routing": {"policy": "cache_aware", "balance_abs_threshold": 2, "balance_rel_threshold": 1.5}}]})
     serve.run(build_app(config), name="lora", route_prefix="/lora")
@@ -281,6 +289,21 @@ def test_apply_changes_configured_adapters_in_place_and_keeps_those_loaded_at_ru
     dropped = httpx.post(f"{lora_app.api_url}/completions", json={"model": "tiny-b", "prompt": "a", "max_tokens": 1},
                          timeout=60)
     assert dropped.status_code == 404 and dropped.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_adapter_under_the_root_serves_on_its_first_request(lora_app, reference):
+    name = f"{BASE}:c"
+    # The first request loads it on both replicas, then runs; tiny-c's weights give tiny-c's output.
+    assert served_outputs(lora_app.api_url, name) == reference["tiny-c"]
+    assert listed_parents(lora_app)[name] == BASE
+    missing = httpx.post(f"{lora_app.api_url}/completions", json={"model": f"{BASE}:nope", "prompt": "a",
+                                                                  "max_tokens": 1}, timeout=60)
+    assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
+    assert f"{BASE}:nope" not in listed_parents(lora_app)
+
+
+def listed_parents(app: Served) -> dict[str, str | None]:
+    return {card["id"]: card.get("parent") for card in httpx.get(f"{app.api_url}/models", timeout=30).json()["data"]}
 
 
 def mismatched_adapter(path: Path) -> Path:

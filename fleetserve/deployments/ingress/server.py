@@ -42,6 +42,7 @@ from fleetserve.deployments.ingress.protocol import (
     new_id,
 )
 from fleetserve.deployments.ingress.admission import TenantClass
+from fleetserve.deployments.ingress.adapter_root import RootAdapter, RootAdapterLoads, root_adapter
 from fleetserve.deployments.ingress.adapters import (
     AdapterCatalog,
     AdapterChange,
@@ -143,6 +144,7 @@ class OpenAIIngress:
                 model.name: {a.name: a.source for a in model.lora.adapters}
                 for model in self.models.values() if model.lora is not None}), {})
         self.adapters = AdapterDirectory(configured, lora_bases, adapter_catalog)
+        self.root_adapters = RootAdapterLoads(self._load_root_adapter)
         # Records are written on the router's thread: in order, and never on the event loop.
         self.ledger = (RouteLedger(routes, self.platform_metrics, front_door, self._route_executor)
                        if routes is not None else None)
@@ -264,7 +266,7 @@ class OpenAIIngress:
         listed += [(name, "fleetserve-router", None) for name in routed]
         cards = []
         for name, owner, parent in listed:
-            if principal is None or principal.may_use(name):
+            if principal is None or principal.may_use(self._allowed_as(name)):
                 card = {"id": name, "object": "model", "created": self.created, "owned_by": owner}
                 if parent is not None:
                     card["parent"] = parent
@@ -320,12 +322,39 @@ class OpenAIIngress:
         return Response(body, status_code=200, media_type="text/plain",
                         headers={HEADER_ADAPTER_REPLICAS: f"{done}/{live}"})
 
+    async def _load_from_adapter_root(self, raw: Request, name: str) -> None:
+        """Loads the adapter ``name`` names under its base's adapter root, if it names one the caller may use."""
+        adapter = root_adapter(name, self.models)
+        if adapter is None:
+            return
+        principal = getattr(raw.state, "principal", None)
+        if principal is not None:
+            self.front_door.check_model(principal, adapter.base)  # before any load a caller may not cause
+        await self.root_adapters.ensure(adapter)
+
+    async def _load_root_adapter(self, adapter: RootAdapter) -> tuple[int, bytes]:
+        # In place: another ingress replica may be loading the same adapter, which vLLM would otherwise refuse.
+        change = AdapterChange(lora_name=adapter.name, lora_path=adapter.path, load_inplace=True,
+                               base_model=adapter.base)
+        response = await self.change_adapter(AdapterOp.LOAD, change)
+        return response.status_code, bytes(response.body)
+
+    def _allowed_as(self, name: str) -> str:
+        """The name a tenant's ``models`` must hold to call ``name``: an adapter from an adapter root is its base's."""
+        try:
+            adapter = root_adapter(name, self.models)
+        except APIError:
+            return name
+        return adapter.base if adapter is not None and self.adapters.base_of(name) == adapter.base else name
+
     def _endpoint_handler(self, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
         async def handler(raw: Request) -> Response:
             body = await read_body(raw, self.limits.max_body_bytes)
             fields = read_fields(endpoint, parse_body(body))
             if not self._known(fields.model):
                 await self.adapters.refresh()  # an adapter loaded through another ingress replica
+            if not self._known(fields.model):
+                await self._load_from_adapter_root(raw, fields.model)
             raw.state.model = fields.model if self._known(fields.model) else None
             charge = self._admit(raw, fields)
             try:
@@ -363,7 +392,7 @@ class OpenAIIngress:
         if principal is None:
             return None
         if self._known(fields.model):
-            self.front_door.check_model(principal, fields.model)
+            self.front_door.check_model(principal, self._allowed_as(fields.model))
         else:
             self._client(fields.model)  # a 404 naming the models, as without auth
         config = self._config(fields.model)

@@ -29,6 +29,10 @@ class LoraConfig(Strict):
 
     # Adapters every replica serves from its start; more can be loaded at run time (admin API).
     adapters: list[LoraAdapter] = Field(default_factory=list)
+    # A folder (local to the replicas, or s3://, gs://, az://) whose subfolders are adapters loaded on their first
+    # request, named `<model>:<subfolder>` as Ray Serve LLM names them; None: only adapters configured or loaded
+    # through the admin API.
+    adapter_root: str | None = None
     # Adapters one engine step can run at once (vLLM's max_loras): its GPU-resident adapter slots.
     max_loras: int = Field(default=1, ge=1)
     # Largest adapter rank the engine accepts (vLLM's max_lora_rank); it sizes the adapter buffers.

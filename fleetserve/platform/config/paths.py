@@ -25,9 +25,9 @@ class ConfigPath:
 
 
 def config_paths(config: PlatformConfig) -> list[ConfigPath]:
-    """Every file or folder the config names: model, draft, tokenizer and adapter folders, router checkpoints, the
-    recording folder, the API keys file and chat template files; packaged ids, Hub ids and inline templates are not
-    paths.
+    """Every file or folder the config names: model, draft, tokenizer and adapter folders, adapter roots, router
+    checkpoints, the recording folder, the API keys file and chat template files; packaged ids, Hub ids and inline
+    templates are not paths.
     """
     paths = []
     for model in config.models:
@@ -45,6 +45,9 @@ def config_paths(config: PlatformConfig) -> list[ConfigPath]:
         for adapter in model.lora.adapters if model.lora is not None else []:
             if not adapter.source.startswith(RANDOM_LORA_PREFIX) and not is_object_store_uri(adapter.source):
                 paths.append(ConfigPath(f"models[{model.name}].lora.adapters[{adapter.name}].source", adapter.source))
+        root = model.lora.adapter_root if model.lora is not None else None
+        if root is not None and not is_object_store_uri(root):
+            paths.append(ConfigPath(f"models[{model.name}].lora.adapter_root", root))
     routing = config.model_routing
     if routing is not None:
         paths += [ConfigPath(f"model_routing.checkpoints.{kind}", folder)

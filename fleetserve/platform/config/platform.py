@@ -138,8 +138,8 @@ def _beside(value: str, folder: Path) -> str:
 
 
 def _resolve_model_paths(model: ModelConfig, folder: Path) -> None:
-    """Makes a model's source, speculative decoding draft, tokenizer, adapter sources and chat template file
-    relative to the config's folder."""
+    """Makes a model's source, speculative decoding draft, tokenizer, adapter sources and root, and chat template
+    file relative to the config's folder."""
     from fleetserve.platform.model_store import SourceKind, source_kind
 
     if source_kind(model.source) is not SourceKind.PACKAGED:  # the store takes a packaged id before any folder
@@ -154,6 +154,8 @@ def _resolve_model_paths(model: ModelConfig, folder: Path) -> None:
         model.engine_args.extra["tokenizer"] = _beside(tokenizer, folder)
     for adapter in model.lora.adapters if model.lora is not None else []:
         adapter.source = _beside(adapter.source, folder)
+    if model.lora is not None and model.lora.adapter_root is not None:
+        model.lora.adapter_root = _beside(model.lora.adapter_root, folder)
 
 
 def load_config(path: str | Path) -> PlatformConfig:
