@@ -107,8 +107,11 @@ def data_path_handle_options() -> dict[str, Any]:
     return {"_by_reference": not RAY_SERVE_USE_GRPC_BY_DEFAULT}
 
 
-def _with_runtime_env(actor_options: dict[str, Any], server: ServerConfig) -> dict[str, Any]:
+def _with_runtime_env(actor_options: dict[str, Any], server: ServerConfig,
+                      env_vars: dict[str, str] | None = None) -> dict[str, Any]:
     runtime_env = serve_runtime_env(server)
+    if env_vars:
+        runtime_env["env_vars"] = {**env_vars, **runtime_env.get("env_vars", {})}
     return {**actor_options, "runtime_env": runtime_env} if runtime_env else actor_options
 
 
@@ -142,7 +145,7 @@ def deployment_options(model: ModelConfig, server: ServerConfig) -> dict[str, An
     options: dict[str, Any] = {
         "name": deployment_name(model),
         "max_ongoing_requests": model.ongoing_requests_limit,
-        "ray_actor_options": _with_runtime_env(actor_options, server),
+        "ray_actor_options": _with_runtime_env(actor_options, server, model.env_vars),
         "health_check_period_s": HEALTH_CHECK_PERIOD_S,
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "graceful_shutdown_timeout_s": server.drain_timeout_s,

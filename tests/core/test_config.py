@@ -40,6 +40,28 @@ def test_deployment_options_come_from_config():
     assert options["ray_actor_options"] == {"num_cpus": 2, "num_gpus": 1}
 
 
+@pytest.mark.parametrize("fast_path", [False, True])
+def test_a_models_env_vars_reach_its_replicas_runtime_env_beside_serves(fast_path):
+    from fleetserve.deployments.serve_options import FAST_PATH_ENV
+
+    config = parse_config({"models": [{"name": "m", "source": "x", "env_vars": {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1"}}],
+                           "server": {"serve_fast_path": fast_path}})
+    options = deployment_options(config.models[0], config.server)
+    expected = {"VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1", **(FAST_PATH_ENV if fast_path else {})}
+    assert options["ray_actor_options"]["runtime_env"] == {"env_vars": expected}
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("VLLM_CPU_OMP_THREADS_BIND", "set resources.cpu_binding"),
+    ("CUDA_VISIBLE_DEVICES", "set resources.num_gpus"),
+    ("VLLM_NIXL_SIDE_CHANNEL_PORT", "KV transfer"),
+    ("RAY_SERVE_USE_GRPC_BY_DEFAULT", "the cluster's, not one model's"),
+])
+def test_env_vars_the_platform_sets_are_refused_naming_why(name, reason):
+    with pytest.raises(ConfigError, match=rf"env_vars\.{name}: .*{reason}"):
+        parse_config({"models": [{"name": "m", "source": "x", "env_vars": {name: "1"}}]})
+
+
 @pytest.mark.parametrize(("model", "expected"), [
     ({}, 2048),  # vLLM picks max_num_seqs, up to 1024 (an H100 API server's): twice that
     ({"engine_args": {"max_num_seqs": 64}}, 256),  # twice 64 is 128: at least 256

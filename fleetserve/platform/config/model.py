@@ -36,6 +36,16 @@ ENGINE_OWNED = {
 }
 PLATFORM_OWNED = {**PARALLELISM_OWNED, **ENGINE_OWNED}
 
+# Environment variables the platform sets in an engine replica's processes, and why each is refused in env_vars.
+ENV_OWNED = {
+    "VLLM_CPU_OMP_THREADS_BIND": "the platform pins each replica's worker to its cores: set resources.cpu_binding",
+    "CUDA_VISIBLE_DEVICES": "Ray gives each replica its GPUs: set resources.num_gpus",
+    **{name: "the platform sets it for the KV transfer between a disaggregated model's pools"
+       for name in ("VLLM_NIXL_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_PORT", "FLEETSERVE_NIXL_PROGRESS_DELAY_US")},
+}
+# Ray's and Serve's own settings are the cluster's, not one deployment's (server:, or the chart's extraEnv).
+ENV_OWNED_PREFIX = "RAY_"
+
 
 class ModelConfig(Strict):
     """One served model."""
@@ -52,6 +62,9 @@ class ModelConfig(Strict):
     # vLLM's OpenAI server options (tool calling, chat template, reasoning parser) in every replica.
     api: ApiConfig = Field(default_factory=ApiConfig)
     resources: Resources = Field(default_factory=Resources)
+    # Environment variables of the model's replicas and the vLLM processes they start (vLLM's VLLM_* switches,
+    # say VLLM_ALLOW_LONG_MAX_MODEL_LEN); applied through Serve's runtime_env, so a change restarts the replicas.
+    env_vars: dict[str, str] = Field(default_factory=dict)
     # Requests one replica holds at once before Serve queues them in front of it; at least the engine's
     # max_num_seqs, or the engine never fills its batch. None: twice max_num_seqs, at least 256; where vLLM
     # picks max_num_seqs (up to 1024 on an H100), 2048.
@@ -78,6 +91,16 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _check_platform_owned(self) -> ModelConfig:
         _check_not_platform_owned(self.engine_args.extra, "engine_args.extra")
+        return self
+
+    @model_validator(mode="after")
+    def _check_env_vars(self) -> ModelConfig:
+        for name in self.env_vars:
+            if name in ENV_OWNED:
+                raise ValueError(f"env_vars.{name}: {ENV_OWNED[name]}")
+            if name.startswith(ENV_OWNED_PREFIX):
+                raise ValueError(f"env_vars.{name}: Ray's and Serve's settings are the cluster's, not one model's "
+                                 f"(server:, or the Helm chart's extraEnv)")
         return self
 
     @model_validator(mode="after")
