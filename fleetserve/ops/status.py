@@ -35,7 +35,8 @@ _NODE_INFO = "fleetserve_replica_node_info"
 _POOL_REPLICAS = "fleetserve_replicas"
 _HELD = "fleetserve_held_requests"
 _COUNTERS = {"vllm:generation_tokens_total", "vllm:prompt_tokens_total", "vllm:prefix_cache_hits_total",
-             "vllm:prefix_cache_queries_total", "vllm:request_success_total"}
+             "vllm:prefix_cache_queries_total", "vllm:request_success_total",
+             "vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"}
 
 
 def parse_metrics(text: str, taken_at: float) -> Scrape:
@@ -73,7 +74,7 @@ def status_table(before: Scrape, after: Scrape, url: str) -> Table:
     elapsed = max(after.taken_at - before.taken_at, 1e-9)
     table = Table(title=f"fleetserve status: {url}")
     for column in ("model", "pool", "replica", "node", "KV usage", "running", "waiting", "gen tok/s", "prompt tok/s",
-                   "prefix hit", "requests"):
+                   "prefix hit", "draft accepted", "requests"):
         table.add_column(column, justify="left" if column in ("model", "pool", "replica", "node") else "right")
     keys = sorted(set(after.gauges) | set(after.counters))
     replicas_per_model: dict[str, int] = defaultdict(int)
@@ -85,12 +86,14 @@ def status_table(before: Scrape, after: Scrape, url: str) -> Table:
 
         queries = now.get("vllm:prefix_cache_queries_total", 0.0)
         hit = f"{now.get('vllm:prefix_cache_hits_total', 0.0) / queries:.0%}" if queries else "-"
+        drafted = now.get("vllm:spec_decode_num_draft_tokens_total", 0.0)
+        accepted = f"{now.get('vllm:spec_decode_num_accepted_tokens_total', 0.0) / drafted:.0%}" if drafted else "-"
         replicas_per_model[key[0]] += 1
         table.add_row(key[0], key[1], key[2], after.nodes.get(key, "-")[:NODE_ID_CHARS], f"{gauges.get('vllm:kv_cache_usage_perc', 0.0):.1%}",
                       f"{gauges.get('vllm:num_requests_running', 0.0):.0f}",
                       f"{gauges.get('vllm:num_requests_waiting', 0.0):.0f}",
                       f"{rate('vllm:generation_tokens_total'):.1f}", f"{rate('vllm:prompt_tokens_total'):.1f}",
-                      hit, f"{now.get('vllm:request_success_total', 0.0):.0f}")
+                      hit, accepted, f"{now.get('vllm:request_success_total', 0.0):.0f}")
     table.caption = _caption(replicas_per_model, after)
     return table
 

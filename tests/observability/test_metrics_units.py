@@ -123,7 +123,15 @@ def test_status_table_rates_between_two_scrapes():
     table = status_table(before, after, "http://x")
     row = [column._cells[0] for column in table.columns]
     # The node's first 8 hex digits; 30 tokens in 2 s = 15.0 tok/s; prompt 10 in 2 s = 5.0; hits 8 of 20 = 40%.
-    assert row == ["m", "colocated", "r0", "01234567", "50.0%", "2", "1", "15.0", "5.0", "40%", "2"]
+    assert row == ["m", "colocated", "r0", "01234567", "50.0%", "2", "1", "15.0", "5.0", "40%", "-", "2"]
+
+
+def test_status_shows_the_share_of_draft_tokens_accepted():
+    metrics = EngineMetrics("m", "r0", num_speculative_tokens=3)
+    metrics.record(spec_step([(3, 3), (3, 1)]), None)
+    scrape = parse_metrics(metrics.exposition().decode(), taken_at=1.0)
+    # 4 of 6 draft tokens accepted.
+    assert [column._cells[0] for column in status_table(scrape, scrape, "x").columns][10] == "67%"
 
 
 def test_status_table_without_node_info_shows_a_dash():
