@@ -44,7 +44,7 @@ def s3(s3_endpoint, monkeypatch, tmp_path):
         monkeypatch.setenv(key, value)
     s3fs.S3FileSystem.clear_instance_cache()
     client = boto3.client("s3")
-    for bucket in ("models", "adapters"):
+    for bucket in ("models", "adapters", "routers"):
         try:
             client.create_bucket(Bucket=bucket)
         except client.exceptions.BucketAlreadyOwnedByYou:
@@ -127,3 +127,36 @@ def test_a_missing_adapter_in_s3_is_a_404(s3):
     with pytest.raises(AdapterSourceError, match=r"s3://adapters/none holds no adapter_config\.json") as missing:
         resolve_adapter_source("s3://adapters/none", tiny_random_llama(), max_lora_rank=8)
     assert missing.value.status_code == 404
+
+
+def test_a_router_checkpoint_in_s3_serves_a_route_as_the_local_one_does(s3, tmp_path):
+    import yaml
+
+    from factories import HARD_PROMPT, calibrated_classifier
+    from fleetserve.platform.config import load_config
+    from fleetserve.platform.config.paths import config_paths
+    from fleetserve.router.model.routes import RouteTable
+
+    local = calibrated_classifier().save(tmp_path / "classifier")
+    upload(s3, local, "routers", "classifier")
+    config_file = tmp_path / "routed.yaml"
+    config_file.write_text(yaml.safe_dump({
+        "models": [{"name": "weak", "source": "tiny-random-llama"}, {"name": "strong", "source": "tiny-random-llama"}],
+        "model_routing": {"checkpoints": {"classifier": "s3://routers/classifier"}, "tiers": ["weak", "strong"],
+                          "routes": [{"name": "auto", "router": "classifier", "strong_fraction": 0.25}]}}))
+    config = load_config(config_file)
+    assert config.model_routing.checkpoints == {"classifier": "s3://routers/classifier"}  # not made a local path
+    assert config_paths(config) == []  # nothing a pod must mount
+    table = RouteTable(config.model_routing)
+    # The synthetic data's hard prompt goes to the strong tier, as the checkpoint it was saved from sends it.
+    assert table.choose(table.resolve("auto"), HARD_PROMPT).model == "strong"
+    fetched, saved = table.routers["classifier"], calibrated_classifier()
+    assert fetched.metadata["calibrations"] == saved.metadata["calibrations"]
+    assert all((fetched.weights[name] == saved.weights[name]).all() for name in saved.weights)
+
+
+def test_a_missing_router_checkpoint_in_s3_is_refused_naming_it(s3):
+    from fleetserve.router.model.quality_router import CheckpointError, load_router
+
+    with pytest.raises(CheckpointError, match=r"^router checkpoint s3://routers/none holds no metadata\.json"):
+        load_router("s3://routers/none")

@@ -51,7 +51,7 @@ def config_paths(config: PlatformConfig) -> list[ConfigPath]:
     routing = config.model_routing
     if routing is not None:
         paths += [ConfigPath(f"model_routing.checkpoints.{kind}", folder)
-                  for kind, folder in routing.checkpoints.items()]
+                  for kind, folder in routing.checkpoints.items() if not is_object_store_uri(folder)]
         if routing.recording is not None:
             paths.append(ConfigPath("model_routing.recording.directory", routing.recording.directory))
     if config.auth is not None and config.auth.api_keys_file is not None:

@@ -12,6 +12,7 @@ from fleetserve.platform.config.base import ConfigError, Strict, parse_section, 
 from fleetserve.platform.config.front_door import AuthConfig, LimitsConfig, ServerConfig
 from fleetserve.platform.config.model import ModelConfig
 from fleetserve.platform.config.routing import ModelRoutingConfig
+from fleetserve.platform.object_store import is_object_store_uri
 
 
 class PlatformConfig(Strict):
@@ -178,8 +179,9 @@ def load_config(path: str | Path) -> PlatformConfig:
         _resolve_model_paths(model, path.parent)
     if config.model_routing is not None:
         # Checkpoint paths are relative to the config file, wherever Serve replicas start.
-        config.model_routing.checkpoints = {kind: str((path.parent / folder).resolve())
-                                            for kind, folder in config.model_routing.checkpoints.items()}
+        config.model_routing.checkpoints = {
+            kind: folder if is_object_store_uri(folder) else str((path.parent / folder).resolve())
+            for kind, folder in config.model_routing.checkpoints.items()}
         if config.model_routing.recording is not None:
             recording = config.model_routing.recording
             recording.directory = str((path.parent / recording.directory).resolve())

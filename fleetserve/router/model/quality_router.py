@@ -210,8 +210,23 @@ class CostQualityRouter:
         return directory
 
 
+def fetch_checkpoint(uri: str) -> Path:
+    """A local copy of a checkpoint folder in object storage (s3://, gs://, az://), fetched once per version.
+
+    Raises:
+        CheckpointError: the store cannot be read, or the folder holds no checkpoint.
+    """
+    from fleetserve.platform.model_store import cache_root
+    from fleetserve.platform.object_store import ObjectStoreError, snapshot
+
+    try:
+        return snapshot(uri, ("*",), METADATA_FILE, cache_root())
+    except ObjectStoreError as error:
+        raise CheckpointError(f"router checkpoint {error}") from None
+
+
 def load_router(directory: str | Path, embedder: Embedder | None = None, num_threads: int = 1) -> CostQualityRouter:
-    """Loads a checkpoint folder written by ``CostQualityRouter.save``.
+    """Loads a checkpoint folder written by ``CostQualityRouter.save``, local or in object storage.
 
     Args:
         embedder: overrides the one named in the metadata (it must have the same spec).
@@ -222,7 +237,9 @@ def load_router(directory: str | Path, embedder: Embedder | None = None, num_thr
     """
     from safetensors.numpy import load_file
 
-    directory = Path(directory)
+    from fleetserve.platform.object_store import is_object_store_uri
+
+    directory = fetch_checkpoint(directory) if is_object_store_uri(str(directory)) else Path(directory)
     try:
         metadata = json.loads((directory / METADATA_FILE).read_text())
         arrays = load_file(str(directory / WEIGHTS_FILE))
