@@ -18,7 +18,6 @@ from fleetserve.deployments.metrics_hub import MetricsHubDeployment
 from fleetserve.deployments.serve_options import (control_actor_options, deployment_name, deployment_options,
                                                   ingress_options, serve_runtime_env)
 from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, ServerConfig, parse_config
-from fleetserve.platform.config.diff import IN_PLACE_LORA_KEYS
 from fleetserve.platform.engine import Engine, plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source, with_local_draft
 from fleetserve.platform.openai_app import chat_template_text
@@ -75,10 +74,9 @@ def versioned(deployment: Deployment, version: str) -> Deployment:
 def _engine_version(model: ModelConfig, bindings: dict[str, list[str] | None], model_path: str | None,
                     engine_cls: type[Engine], server: ServerConfig) -> str:
     # Replica counts and autoscaling are Serve options it changes without a restart; LoRA adapters reach
-    # running replicas through the hub's registry, and only the ingress reads the adapter root; other models'
-    # core bindings are theirs; Serve's fast path is set in a replica's environment as it starts.
-    shape = model.model_dump(mode="json", exclude={"replicas": True, "autoscaling": True,
-                                                   "lora": set(IN_PLACE_LORA_KEYS)})
+    # running replicas through the hub's registry; other models' core bindings are theirs; Serve's fast path
+    # is set in a replica's environment as it starts.
+    shape = model.model_dump(mode="json", exclude={"replicas": True, "autoscaling": True, "lora": {"adapters"}})
     own = {name: bindings[name] for name in (deployment_name(model.pool_model(pool)) for pool in model.pools())}
     return deployment_version(shape, own, model_path, f"{engine_cls.__module__}.{engine_cls.__qualname__}",
                               serve_runtime_env(server))

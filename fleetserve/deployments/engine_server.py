@@ -24,6 +24,7 @@ from ray import serve
 from fleetserve.autoscaler.serve_adapter import autoscaling_metrics
 from fleetserve.deployments.allocator import tune_for_serving
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterSet
+from fleetserve.platform.adapter_root import AdapterNameError, load_error, root_folder, root_source
 from fleetserve.platform.api_errors import is_error_event, with_engine_death_errors
 from fleetserve.platform.api_types import ApiRequest, ReplicaChunk, ResponseHead
 from fleetserve.platform.asgi_call import call_app
@@ -106,6 +107,25 @@ class EngineServer:
             return None
         return ReplicaChunk(body, head=ResponseHead(400, "application/json", self.replica_id, started_at), final=True)
 
+    async def _root_adapter_refusal(self, request: ApiRequest, started_at: float) -> ReplicaChunk | None:
+        """Loads the adapter under the model's adapter root that the request names, the first time this replica
+        serves it; an error response when it cannot be loaded (404: no such folder); None to serve the request."""
+        root = self.model.lora.adapter_root if self.model.lora is not None else None
+        if root is None or self.adapters is None:
+            return None
+        try:
+            name = json.loads(request.body).get("model")
+            folder = root_folder(name, self.model.name) if isinstance(name, str) else None
+        except (ValueError, AttributeError, AdapterNameError):
+            return None  # vLLM's app answers what is no JSON object; the ingress refuses names that are paths
+        if folder is None:
+            return None
+        status, body = await self.adapters.ensure(await self._serving_app(), name, root_source(root, folder))
+        if status == 200:
+            return None
+        return ReplicaChunk(load_error(name, status, body),
+                            head=ResponseHead(status, "application/json", self.replica_id, started_at), final=True)
+
     async def _serving_app(self) -> Any:
         """vLLM's app, ready to serve (the Serve replica also waits for its adapters to sync)."""
         return await self.engine.openai_app()
@@ -116,7 +136,7 @@ class EngineServer:
         Closing the stream early aborts the request in the engine.
         """
         started_at = time.time()
-        refusal = self._refusal(request, started_at)
+        refusal = self._refusal(request, started_at) or await self._root_adapter_refusal(request, started_at)
         if refusal is not None:
             yield refusal
             return
@@ -126,7 +146,7 @@ class EngineServer:
     async def respond(self, request: ApiRequest) -> tuple[ResponseHead, bytes]:
         """The whole response of a request run on this replica's engine (its status and body)."""
         started_at = time.time()
-        refusal = self._refusal(request, started_at)
+        refusal = self._refusal(request, started_at) or await self._root_adapter_refusal(request, started_at)
         if refusal is not None:
             return refusal.head, refusal.data
         chunks = [chunk async for chunk in self._run(request, request.body, started_at) if not chunk.heartbeat]
@@ -274,6 +294,25 @@ class ServeReplica:
                 except Exception:  # noqa: BLE001 - serve the configured set; the publish loop syncs again
                     logger.warning("adapter sync at start failed; serving the configured adapters", exc_info=True)
         return app
+
+    async def _root_adapter_refusal(self, request: ApiRequest, started_at: float) -> ReplicaChunk | None:
+        """Loads the adapter under the model's adapter root that the request names, the first time this replica
+        serves it; an error response when it cannot be loaded (404: no such folder); None to serve the request."""
+        root = self.model.lora.adapter_root if self.model.lora is not None else None
+        if root is None or self.adapters is None:
+            return None
+        try:
+            name = json.loads(request.body).get("model")
+            folder = root_folder(name, self.model.name) if isinstance(name, str) else None
+        except (ValueError, AttributeError, AdapterNameError):
+            return None  # vLLM's app answers what is no JSON object; the ingress refuses names that are paths
+        if folder is None:
+            return None
+        status, body = await self.adapters.ensure(await self._serving_app(), name, root_source(root, folder))
+        if status == 200:
+            return None
+        return ReplicaChunk(load_error(name, status, body),
+                            head=ResponseHead(status, "application/json", self.replica_id, started_at), final=True)
 
     async def _serving_app(self) -> Any:
         return await self._app_warmup

@@ -3,8 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,9 @@ class ReplicaAdapters:
         self.version = 0
         # adapter name -> the source it was loaded from
         self._sources: dict[str, str] = {}
+        # Adapters from the model's adapter root, loaded here by their first request: no registry holds them.
+        self._root_names: set[str] = set()
+        self._root_locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
 
     async def change(self, app: Any, op: AdapterOp, name: str, source: str | None = None,
                      load_inplace: bool = False) -> tuple[int, bytes]:
@@ -62,7 +67,23 @@ class ReplicaAdapters:
             self._sources[name] = source or ""
         else:
             self._sources.pop(name, None)
+            self._root_names.discard(name)
         return 200, result.encode()
+
+    async def ensure(self, app: Any, name: str, source: str) -> tuple[int, bytes]:
+        """Loads the adapter-root adapter ``name`` from ``source`` unless this replica serves it already; requests
+        naming it meanwhile wait on that one load.
+
+        Returns:
+            200 when it is served; else the failed load's status and body.
+        """
+        async with self._root_locks[name]:
+            if name in app.state.openai_serving_models.lora_requests:
+                return 200, b""
+            status, body = await self.change(app, AdapterOp.LOAD, name, source)
+            if status == 200:
+                self._root_names.add(name)
+            return status, body
 
     async def sync(self, app: Any, desired: AdapterSet) -> None:
         """Loads and unloads until this replica serves exactly ``desired``; a failure is logged and left for
@@ -70,7 +91,7 @@ class ReplicaAdapters:
         models = app.state.openai_serving_models
         served = set(models.lora_requests)
         ok = True
-        for name in sorted(served - set(desired.sources)):
+        for name in sorted(served - set(desired.sources) - self._root_names):
             ok &= (await self.change(app, AdapterOp.UNLOAD, name))[0] == 200
         for name, source in sorted(desired.sources.items()):
             if name in served and self._sources.get(name, source) == source:

@@ -64,20 +64,17 @@ def test_adapters_alone_change_in_place_and_keep_the_engine_version():
     assert version(lora(1)) != version(lora(1, max_loras=2))
 
 
-def test_an_adapter_root_changes_in_place_at_the_ingress_and_keeps_the_engine_version():
-    def rooted(root, max_loras=1):
-        return config({**model_entry("a"), "lora": {"max_loras": max_loras, "adapter_root": root,
+def test_a_new_adapter_root_restarts_the_replicas_that_load_from_it():
+    def rooted(root):
+        return config({**model_entry("a"), "lora": {"adapter_root": root,
                                                     "adapters": [{"name": "a-1", "source": "random-lora:1"}]}})
 
     def version(cfg):
         return _engine_version(cfg.models[0], {"engine-a": ["0"]}, "/models/a", Engine, ServerConfig())
 
     change = diff_configs(rooted(None), rooted("s3://b/a"))
-    assert change.changed == {"a": ["lora.adapter_root"]} and not change.restarts("a")
-    assert version(rooted(None)) == version(rooted("s3://b/a"))
-    both = config({**model_entry("a"), "lora": {"max_loras": 1, "adapter_root": "/r", "adapters": []}})
-    assert diff_configs(rooted(None), both).changed == {"a": ["lora.adapter_root", "lora.adapters"]}
-    assert diff_configs(rooted(None), rooted("/r", max_loras=2)).changed == {"a": ["lora"]}
+    assert change.changed == {"a": ["lora"]} and change.restarts("a")
+    assert version(rooted(None)) != version(rooted("s3://b/a"))
 
 
 def test_apply_refuses_an_adapter_source_that_cannot_load_before_deploying(monkeypatch, tmp_path):

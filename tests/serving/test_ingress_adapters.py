@@ -3,7 +3,7 @@ checks, and permissions. The engine side (vLLM's own load and unload) is tested 
 
 from __future__ import annotations
 
-import asyncio
+import json
 
 import httpx
 import pytest
@@ -151,75 +151,73 @@ async def test_adapter_permissions_and_admin_only_changes(fake_engine_cls):
     assert (await call(app, "/v1/load_lora_adapter", change, keys["ops"])).status_code == 200
 
 
+
 def rooted(name: str = "base", root: str = "/roots/base") -> ModelConfig:
     return ModelConfig.model_validate({"name": name, "source": "unused", "lora": {"adapter_root": root}})
 
 
-class SlowClient(RecordingClient):
-    """Takes a while to load, as a replica fetching an adapter does."""
+class ForwardRecordingClient(LocalModelClient):
+    """Records each request's model and adapter hint, then runs it on a fake engine."""
 
-    async def change_adapter(self, op, name, source, load_inplace):
-        await asyncio.sleep(0.05)
-        assert load_inplace  # another ingress replica may be loading it too
-        return await super().change_adapter(op, name, source, load_inplace)
+    def __init__(self, server: EngineServer) -> None:
+        super().__init__(server)
+        self.forwarded: list[tuple[str, str | None]] = []
+
+    def forward(self, request):
+        self.forwarded.append((json.loads(request.body)["model"], request.routing.adapter))
+        return super().forward(request)
 
 
-async def test_an_adapter_under_the_root_loads_once_on_its_first_requests(fake_engine_cls):
-    config = rooted()
-    client = SlowClient(EngineServer(config, engine_cls=fake_engine_cls, model_path="/unused"))
-    router = OpenAIIngress({"base": client}, models={"base": config})
+def rooted_ingress(fake_engine_cls, front_door: FrontDoor | None = None):
+    """An ingress whose base has an adapter root, over a fake engine (which loads nothing: the replica's loads are
+    tested in test_replica_adapters.py and test_lora_served.py)."""
+    config, plain = rooted(), ModelConfig.model_validate({"name": "plain", "source": "unused"})
+    clients = {m.name: ForwardRecordingClient(EngineServer(ModelConfig(name=m.name, source="unused"),
+                                                           engine_cls=fake_engine_cls, model_path="/unused"))
+               for m in (config, plain)}
+    return OpenAIIngress(clients, models={"base": config, "plain": plain}, front_door=front_door), clients
+
+
+async def test_a_name_under_an_adapter_root_runs_on_its_base_as_that_adapter(fake_engine_cls):
+    router, clients = rooted_ingress(fake_engine_cls)
     app = router.build_app()
-    body = {"model": "base:sql", "prompt": "a b", "max_tokens": 2}
-    first = await asyncio.gather(*(call(app, "/v1/completions", body) for _ in range(3)))
-    assert [response.status_code for response in first] == [200, 200, 200]
-    assert first[0].headers["x-fleetserve-model"] == "base:sql"
-    assert (await call(app, "/v1/completions", body)).status_code == 200
-    # Three requests while it loaded, one after: one load, from the root's subfolder.
-    assert client.changes == [(AdapterOp.LOAD, "base:sql", "/roots/base/sql")]
-    cards = (await call(app, "/v1/models")).json()["data"]
-    assert [(card["id"], card.get("parent")) for card in cards] == [("base", None), ("base:sql", "base")]
+    response = await call(app, "/v1/completions", {"model": "base:sql", "prompt": "a b", "max_tokens": 2})
+    assert (response.status_code, response.headers["x-fleetserve-model"]) == (200, "base:sql")
+    # The body keeps the name (the replica loads the adapter it names); the router prefers replicas holding it.
+    assert clients["base"].forwarded == [("base:sql", "base:sql")]
+    assert router.in_flight == {"base": 0, "plain": 0}  # admitted and finished under its base
 
 
 @pytest.mark.parametrize(("name", "status", "code"), [
     ("base:..", 400, "invalid_adapter_name"),       # a path out of the root
     ("base:.cache", 400, "invalid_adapter_name"),
     ("base:a/b", 400, "invalid_adapter_name"),
-    ("other:sql", 404, "model_not_found"),          # a model without an adapter root
+    ("plain:sql", 404, "model_not_found"),          # a model without an adapter root
     ("nobody:sql", 404, "model_not_found"),
 ])
-async def test_a_name_that_is_no_adapter_under_a_root_is_refused_without_a_load(fake_engine_cls, name, status, code):
-    router, clients = ingress(fake_engine_cls, [rooted(), model("other", {})])
+async def test_a_name_that_is_no_folder_under_a_root_is_refused_at_the_ingress(fake_engine_cls, name, status, code):
+    router, clients = rooted_ingress(fake_engine_cls)
     response = await call(router.build_app(), "/v1/completions", {"model": name, "prompt": "a", "max_tokens": 1})
     assert (response.status_code, response.json()["error"]["code"]) == (status, code)
-    assert all(client.changes == [] for client in clients.values())
+    assert all(client.forwarded == [] for client in clients.values())
 
 
-async def test_an_adapter_missing_from_the_root_is_a_404_naming_it(fake_engine_cls):
-    missing = (404, b'{"error":{"message":"lora_path s3://b/base/nope: no such adapter","type":"NotFoundError",'
-                    b'"param":"lora_path","code":404}}')
-    router, _ = ingress(fake_engine_cls, [rooted(root="s3://b/base/")], error=missing)
-    app = router.build_app()
-    response = await call(app, "/v1/completions", {"model": "base:nope", "prompt": "a", "max_tokens": 1})
-    assert response.status_code == 404
-    assert response.json()["error"] == {
-        "message": "The model `base:nope` does not exist: lora_path s3://b/base/nope: no such adapter",
-        "type": "not_found_error", "param": "model", "code": "model_not_found"}
-    assert [card["id"] for card in (await call(app, "/v1/models")).json()["data"]] == ["base"]
+async def test_the_admin_api_refuses_names_that_adapter_roots_take(fake_engine_cls):
+    router, _ = ingress(fake_engine_cls, [model("base", {})])
+    response = await call(router.build_app(), "/v1/load_lora_adapter", {"lora_name": "base:x", "lora_path": "/a"})
+    assert (response.status_code, response.json()["error"]["code"]) == (400, "invalid_adapter_name")
 
 
-async def test_a_tenant_uses_the_roots_adapters_of_a_base_it_may_use_and_loads_no_other(fake_engine_cls):
+async def test_a_tenant_uses_the_roots_adapters_of_a_base_it_may_use_and_no_other(fake_engine_cls):
     keys = {"app": "sk-app-0001", "other": "sk-oth-0002"}
     door = FrontDoor(AuthConfig.model_validate({
         "tenants": {"app": {"models": ["base"]}, "other": {"models": ["plain"]}},
         "api_keys": [{"sha256": hash_key(keys["app"]), "tenant": "app"},
                      {"sha256": hash_key(keys["other"]), "tenant": "other"}]}))
-    router, clients = ingress(fake_engine_cls, [rooted(), model("plain")], front_door=door)
+    router, clients = rooted_ingress(fake_engine_cls, front_door=door)
     app = router.build_app()
     body = {"model": "base:sql", "prompt": "a", "max_tokens": 1}
     refused = await call(app, "/v1/completions", body, keys["other"])
     assert (refused.status_code, refused.json()["error"]["code"]) == (403, "model_not_allowed")
-    assert clients["base"].changes == []  # refused before any load
+    assert clients["base"].forwarded == []  # refused before a replica could load anything
     assert (await call(app, "/v1/completions", body, keys["app"])).status_code == 200
-    assert [card["id"] for card in (await call(app, "/v1/models", key=keys["app"])).json()["data"]] == [
-        "base", "base:sql"]
-    assert (await call(app, "/v1/completions", body, keys["other"])).status_code == 403

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict
 
 from fleetserve.deployments.ingress.protocol import APIError
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterRegistry, AdapterSet
+from fleetserve.platform.adapter_root import SEPARATOR
 
 # How often the ingress re-reads the adapter names at most, when a request names an unknown model.
 REFRESH_PERIOD_S = 1.0
@@ -133,6 +134,10 @@ class AdapterDirectory:
         if change.lora_name in taken:
             raise APIError(f"`{change.lora_name}` is already a served or routed model name", 400,
                            param="lora_name", code="adapter_name_taken")
+        if SEPARATOR in change.lora_name:
+            raise APIError(f"`{change.lora_name}`: names with `{SEPARATOR}` are those of adapters under a base's "
+                           f"lora.adapter_root, which load on their first request", 400, param="lora_name",
+                           code="invalid_adapter_name")
         base = change.base_model or current or (self.lora_bases[0] if len(self.lora_bases) == 1 else None)
         if base is None:
             raise APIError(f"several models serve adapters ({', '.join(self.lora_bases)}); name one as base_model",

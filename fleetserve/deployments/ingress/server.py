@@ -42,7 +42,7 @@ from fleetserve.deployments.ingress.protocol import (
     new_id,
 )
 from fleetserve.deployments.ingress.admission import TenantClass
-from fleetserve.deployments.ingress.adapter_root import RootAdapter, RootAdapterLoads, root_adapter
+from fleetserve.deployments.ingress.adapter_root import root_base
 from fleetserve.deployments.ingress.adapters import (
     AdapterCatalog,
     AdapterChange,
@@ -144,7 +144,6 @@ class OpenAIIngress:
                 model.name: {a.name: a.source for a in model.lora.adapters}
                 for model in self.models.values() if model.lora is not None}), {})
         self.adapters = AdapterDirectory(configured, lora_bases, adapter_catalog)
-        self.root_adapters = RootAdapterLoads(self._load_root_adapter)
         # Records are written on the router's thread: in order, and never on the event loop.
         self.ledger = (RouteLedger(routes, self.platform_metrics, front_door, self._route_executor)
                        if routes is not None else None)
@@ -161,12 +160,12 @@ class OpenAIIngress:
         self.platform_metrics.requests.labels(route, model, str(status)).inc()
 
     def _known(self, name: str) -> bool:
-        return (name in self.clients or self.adapters.base_of(name) is not None
+        return (name in self.clients or self.adapters.base_of(name) is not None or self._root_base(name) is not None
                 or (self.routes is not None and self.routes.is_routed(name)))
 
     def _base(self, name: str) -> str:
         """The served model whose engines run ``name``: the base model of an adapter, else ``name``."""
-        return self.adapters.base_of(name) or name
+        return self.adapters.base_of(name) or self._root_base(name) or name
 
     def _config(self, name: str) -> ModelConfig | None:
         """The config of the model (or of the adapter's base model) ``name``."""
@@ -322,30 +321,16 @@ class OpenAIIngress:
         return Response(body, status_code=200, media_type="text/plain",
                         headers={HEADER_ADAPTER_REPLICAS: f"{done}/{live}"})
 
-    async def _load_from_adapter_root(self, raw: Request, name: str) -> None:
-        """Loads the adapter ``name`` names under its base's adapter root, if it names one the caller may use."""
-        adapter = root_adapter(name, self.models)
-        if adapter is None:
-            return
-        principal = getattr(raw.state, "principal", None)
-        if principal is not None:
-            self.front_door.check_model(principal, adapter.base)  # before any load a caller may not cause
-        await self.root_adapters.ensure(adapter)
-
-    async def _load_root_adapter(self, adapter: RootAdapter) -> tuple[int, bytes]:
-        # In place: another ingress replica may be loading the same adapter, which vLLM would otherwise refuse.
-        change = AdapterChange(lora_name=adapter.name, lora_path=adapter.path, load_inplace=True,
-                               base_model=adapter.base)
-        response = await self.change_adapter(AdapterOp.LOAD, change)
-        return response.status_code, bytes(response.body)
+    def _root_base(self, name: str) -> str | None:
+        """The base model whose adapter root holds ``name`` (``<base>:<folder>``); None for any other name."""
+        try:
+            return root_base(name, self.models)
+        except APIError:
+            return None
 
     def _allowed_as(self, name: str) -> str:
         """The name a tenant's ``models`` must hold to call ``name``: an adapter from an adapter root is its base's."""
-        try:
-            adapter = root_adapter(name, self.models)
-        except APIError:
-            return name
-        return adapter.base if adapter is not None and self.adapters.base_of(name) == adapter.base else name
+        return self._root_base(name) or name
 
     def _endpoint_handler(self, endpoint: Endpoint) -> Callable[[Request], Awaitable[Response]]:
         async def handler(raw: Request) -> Response:
@@ -353,8 +338,7 @@ class OpenAIIngress:
             fields = read_fields(endpoint, parse_body(body))
             if not self._known(fields.model):
                 await self.adapters.refresh()  # an adapter loaded through another ingress replica
-            if not self._known(fields.model):
-                await self._load_from_adapter_root(raw, fields.model)
+            root_base(fields.model, self.models)  # a name under an adapter root that is a path: refused here
             raw.state.model = fields.model if self._known(fields.model) else None
             charge = self._admit(raw, fields)
             try:

@@ -6,12 +6,9 @@ from dataclasses import dataclass, field
 
 from fleetserve.platform.config.platform import PlatformConfig
 
-# LoRA keys changed in place: the adapters by the registry the replicas converge on, the adapter root at the
-# ingress alone.
-IN_PLACE_LORA_KEYS = ("adapters", "adapter_root")
-# A model's keys changed in place: replica counts and autoscaling by Serve, and the LoRA keys above. Any other
-# key restarts its replicas.
-IN_PLACE_KEYS = frozenset({"replicas", "autoscaling", *(f"lora.{key}" for key in IN_PLACE_LORA_KEYS)})
+# A model's keys changed in place: replica counts and autoscaling by Serve, LoRA adapters by the registry
+# its replicas converge on. Any other key restarts its replicas.
+IN_PLACE_KEYS = frozenset({"replicas", "autoscaling", "lora.adapters"})
 # Platform sections besides the models.
 SECTIONS = ("server", "model_routing", "auth", "limits")
 
@@ -24,7 +21,7 @@ class ConfigChange:
     added: list[str] = field(default_factory=list)
     # Models only the running config has: stopped.
     removed: list[str] = field(default_factory=list)
-    # Model -> its top-level keys whose values differ (`lora.adapters`, `lora.adapter_root` when only they do).
+    # Model -> its top-level keys whose values differ (`lora.adapters` when only its adapters do).
     changed: dict[str, list[str]] = field(default_factory=dict)
     # Platform sections whose values differ.
     sections: list[str] = field(default_factory=list)
@@ -60,13 +57,11 @@ def diff_configs(running: PlatformConfig, applied: PlatformConfig) -> ConfigChan
 
 
 def _changed_keys(before: dict, after: dict) -> list[str]:
-    """A model's top-level keys that differ; ``lora.adapters`` and ``lora.adapter_root`` for those that do when the
-    LoRA section differs in them alone."""
+    """A model's top-level keys that differ; ``lora.adapters`` when the LoRA section differs in its adapters
+    alone."""
     keys = [key for key in after if after[key] != before.get(key)]
     lora_before, lora_after = before.get("lora"), after.get("lora")
     if "lora" in keys and lora_before is not None and lora_after is not None:
-        in_place = dict.fromkeys(IN_PLACE_LORA_KEYS)
-        if {**lora_before, **in_place} == {**lora_after, **in_place}:
-            keys.remove("lora")
-            keys += [f"lora.{key}" for key in IN_PLACE_LORA_KEYS if lora_before.get(key) != lora_after.get(key)]
+        if {**lora_before, "adapters": None} == {**lora_after, "adapters": None}:
+            keys[keys.index("lora")] = "lora.adapters"
     return keys
