@@ -295,25 +295,6 @@ class ServeReplica:
                     logger.warning("adapter sync at start failed; serving the configured adapters", exc_info=True)
         return app
 
-    async def _root_adapter_refusal(self, request: ApiRequest, started_at: float) -> ReplicaChunk | None:
-        """Loads the adapter under the model's adapter root that the request names, the first time this replica
-        serves it; an error response when it cannot be loaded (404: no such folder); None to serve the request."""
-        root = self.model.lora.adapter_root if self.model.lora is not None else None
-        if root is None or self.adapters is None:
-            return None
-        try:
-            name = json.loads(request.body).get("model")
-            folder = root_folder(name, self.model.name) if isinstance(name, str) else None
-        except (ValueError, AttributeError, AdapterNameError):
-            return None  # vLLM's app answers what is no JSON object; the ingress refuses names that are paths
-        if folder is None:
-            return None
-        status, body = await self.adapters.ensure(await self._serving_app(), name, root_source(root, folder))
-        if status == 200:
-            return None
-        return ReplicaChunk(load_error(name, status, body),
-                            head=ResponseHead(status, "application/json", self.replica_id, started_at), final=True)
-
     async def _serving_app(self) -> Any:
         return await self._app_warmup
 
