@@ -40,7 +40,7 @@ from fleetserve.platform.replica_adapters import ReplicaAdapters
 from fleetserve.platform.replica_report import ReplicaReport, ReplicaReporter
 from fleetserve.platform.stall import StallWatch
 from fleetserve.platform.stats import EngineStats
-from fleetserve.platform.unread_params import RequestCheck
+from fleetserve.platform.unread_params import RequestCheck, json_object
 from fleetserve.router.replica.serve_adapter import KVEventSource, routing_stats
 
 logger = logging.getLogger(__name__)
@@ -100,24 +100,27 @@ class EngineServer:
         template = chat_template_text(self.model) or getattr(tokenizer, "chat_template", None)
         return template if isinstance(template, str) else None
 
-    def _refusal(self, request: ApiRequest, started_at: float) -> ReplicaChunk | None:
-        """A 400 for a request with parameters nothing would act on (``unread_params``); None to serve it."""
-        body = self.request_check.refusal(request.endpoint, request.body)
-        if body is None:
-            return None
-        return ReplicaChunk(body, head=ResponseHead(400, "application/json", self.replica_id, started_at), final=True)
+    async def _refusal(self, request: ApiRequest, started_at: float) -> ReplicaChunk | None:
+        """The response refusing a request before vLLM runs it, or None to serve it: a 400 for parameters nothing
+        would act on (``unread_params``), or the failed load of the adapter-root adapter it names."""
+        payload = json_object(request.body)
+        body = self.request_check.payload_refusal(request.endpoint, payload)
+        if body is not None:
+            return ReplicaChunk(body, head=ResponseHead(400, "application/json", self.replica_id, started_at),
+                                final=True)
+        return await self._root_adapter_refusal(payload, started_at)
 
-    async def _root_adapter_refusal(self, request: ApiRequest, started_at: float) -> ReplicaChunk | None:
+    async def _root_adapter_refusal(self, payload: dict[str, Any] | None, started_at: float) -> ReplicaChunk | None:
         """Loads the adapter under the model's adapter root that the request names, the first time this replica
         serves it; an error response when it cannot be loaded (404: no such folder); None to serve the request."""
         root = self.model.lora.adapter_root if self.model.lora is not None else None
-        if root is None or self.adapters is None:
+        name = payload.get("model") if payload is not None else None
+        if root is None or self.adapters is None or not isinstance(name, str):
             return None
         try:
-            name = json.loads(request.body).get("model")
-            folder = root_folder(name, self.model.name) if isinstance(name, str) else None
-        except (ValueError, AttributeError, AdapterNameError):
-            return None  # vLLM's app answers what is no JSON object; the ingress refuses names that are paths
+            folder = root_folder(name, self.model.name)
+        except AdapterNameError:
+            return None  # the ingress refuses names that are paths
         if folder is None:
             return None
         status, body = await self.adapters.ensure(await self._serving_app(), name, root_source(root, folder))
@@ -136,7 +139,7 @@ class EngineServer:
         Closing the stream early aborts the request in the engine.
         """
         started_at = time.time()
-        refusal = self._refusal(request, started_at) or await self._root_adapter_refusal(request, started_at)
+        refusal = await self._refusal(request, started_at)
         if refusal is not None:
             yield refusal
             return
@@ -146,7 +149,7 @@ class EngineServer:
     async def respond(self, request: ApiRequest) -> tuple[ResponseHead, bytes]:
         """The whole response of a request run on this replica's engine (its status and body)."""
         started_at = time.time()
-        refusal = self._refusal(request, started_at) or await self._root_adapter_refusal(request, started_at)
+        refusal = await self._refusal(request, started_at)
         if refusal is not None:
             return refusal.head, refusal.data
         chunks = [chunk async for chunk in self._run(request, request.body, started_at) if not chunk.heartbeat]

@@ -164,11 +164,11 @@ class RequestCheck:
 
     def refusal(self, endpoint: Endpoint, body: bytes) -> bytes | None:
         """OpenAI error JSON (for a 400) naming the unread parameters of ``body``; None when all are read."""
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            return None  # vLLM answers a body that is not JSON itself
-        if not isinstance(payload, dict):
+        return self.payload_refusal(endpoint, json_object(body))
+
+    def payload_refusal(self, endpoint: Endpoint, payload: dict[str, Any] | None) -> bytes | None:
+        """``refusal`` of a body already parsed (``json_object``)."""
+        if payload is None:
             return None
         if endpoint is Endpoint.RESPONSES and payload.get("background") and self._stores_responses:
             # Without the store vLLM refuses it itself; with it, the response is kept where no client can fetch it.
@@ -181,6 +181,15 @@ class RequestCheck:
         dropped_by = " and ".join(dict.fromkeys(param.dropped_by for param in unread))
         return _error(f"Unsupported parameter(s): {paths}. {dropped_by} would ignore them for this model, so they "
                       f"are refused rather than dropped; remove them, or send null for the default", unread[0].path)
+
+
+def json_object(body: bytes) -> dict[str, Any] | None:
+    """``body`` parsed, when it is a JSON object; None otherwise (vLLM answers such a body itself)."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        return None
+    return payload if isinstance(payload, dict) else None
 
 
 def _error(message: str, param: str) -> bytes:

@@ -306,7 +306,7 @@ class DecodeServer(EngineServer):
         if self.engine.errored:
             raise EngineDeadError(self.replica_id)
         started_at = time.time()
-        refusal = self._refusal(request, started_at)
+        refusal = await self._refusal(request, started_at)
         if refusal is not None:
             yield refusal
             return
