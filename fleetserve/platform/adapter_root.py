@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import PurePosixPath
+
+from fleetserve.platform.object_store import ObjectStoreError, filesystem
 
 # Between the base model's name and the folder's; model and adapter names in a config never hold it.
 SEPARATOR = ":"
+# The file that makes a subfolder an adapter (PEFT's).
+MARKER = "adapter_config.json"
 # A subfolder name: one path part, not hidden ("..", ".cache"), in the characters model names take.
 _FOLDER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]*")
 
@@ -30,6 +35,23 @@ def root_folder(name: str, base: str) -> str | None:
         raise AdapterNameError(f"`{name}`: `{folder}` is no adapter folder name under the adapter root of `{base}` "
                                f"(letters, digits, `.`, `_` and `-`, not starting with `.`)")
     return folder
+
+
+def list_folders(root: str) -> list[str]:
+    """The adapter folders under ``root``, sorted: its subfolders that hold an ``adapter_config.json`` and whose
+    names ``root_folder`` accepts. A local root that does not exist here holds none.
+
+    Raises:
+        ObjectStoreError: the store cannot be listed (its package missing, credentials, network).
+    """
+    fs, path = filesystem(root)
+    fs.invalidate_cache(path)  # a listing cached by this process would hide adapters added since
+    try:
+        found = fs.glob(f"{path}/*/{MARKER}")
+    except Exception as error:  # noqa: BLE001 - credentials, permissions and network errors differ per store
+        raise ObjectStoreError(f"could not list {root}: {type(error).__name__}: {error}") from None
+    folders = {PurePosixPath(match).parent.name for match in found}
+    return sorted(folder for folder in folders if _FOLDER_NAME.fullmatch(folder))
 
 
 def root_source(root: str, folder: str) -> str:

@@ -63,7 +63,7 @@ def snapshot(uri: str, patterns: tuple[str, ...], marker: str, cache: Path) -> P
     """
     from fleetserve.platform.model_store import atomic_folder
 
-    fs, root = _filesystem(uri)
+    fs, root = filesystem(uri)
     files = _listing(fs, root, uri, patterns)
     if marker not in files:
         raise ObjectStoreError(f"{uri} holds no {marker}" + ("" if files else " (nothing at that prefix)"),
@@ -82,7 +82,12 @@ def snapshot(uri: str, patterns: tuple[str, ...], marker: str, cache: Path) -> P
     return final
 
 
-def _filesystem(uri: str) -> tuple[Any, str]:
+def filesystem(uri: str) -> tuple[Any, str]:
+    """The fsspec filesystem that reads ``uri`` (a local path too), and the path within it.
+
+    Raises:
+        ObjectStoreError: the store's package is not installed.
+    """
     import fsspec
 
     try:

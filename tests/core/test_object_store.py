@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from fleetserve.platform.adapter_root import list_folders
 from fleetserve.platform.lora_store import AdapterSourceError, build_random_lora, resolve_adapter_source
 from fleetserve.platform.model_store import (
     ModelSourceError,
@@ -121,6 +122,17 @@ def test_an_adapter_folder_in_s3_is_fetched_and_checked_like_a_local_one(s3, tmp
     with pytest.raises(AdapterSourceError, match="rank") as refused:
         resolve_adapter_source("s3://adapters/a3", tiny, max_lora_rank=2)
     assert refused.value.status_code == 400
+
+
+def test_an_adapter_root_in_s3_lists_its_adapter_folders(s3):
+    for key in ("root/sql/adapter_config.json", "root/chat/adapter_config.json", "root/notes/readme.md",
+                "root/.hidden/adapter_config.json", "root/deep/er/adapter_config.json"):
+        s3.put_object(Bucket="adapters", Key=key, Body=b"{}")
+    # notes holds no adapter config, .hidden is no name a request can give, deep/er is two levels down.
+    assert list_folders("s3://adapters/root") == ["chat", "sql"]
+    s3.put_object(Bucket="adapters", Key="root/new/adapter_config.json", Body=b"{}")
+    assert list_folders("s3://adapters/root/") == ["chat", "new", "sql"]  # listed afresh, not from fsspec's cache
+    assert list_folders("s3://adapters/none") == []
 
 
 def test_a_missing_adapter_in_s3_is_a_404(s3):

@@ -4,16 +4,21 @@ checks, and permissions. The engine side (vLLM's own load and unload) is tested 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import httpx
 import pytest
 
 from fleetserve.deployments.engine_server import EngineServer
+from fleetserve.deployments.ingress import adapter_root
+from fleetserve.deployments.ingress.adapter_root import RootListing
 from fleetserve.deployments.ingress.model_clients import LocalModelClient
 from fleetserve.deployments.ingress.security import FrontDoor, hash_key
 from fleetserve.deployments.ingress.server import OpenAIIngress
 from fleetserve.platform.adapter_registry import AdapterOp
+from fleetserve.platform.adapter_root import MARKER
 from fleetserve.platform.config import AuthConfig, ModelConfig
+from fleetserve.platform.object_store import ObjectStoreError
 
 
 class RecordingClient(LocalModelClient):
@@ -168,10 +173,10 @@ class ForwardRecordingClient(LocalModelClient):
         return super().forward(request)
 
 
-def rooted_ingress(fake_engine_cls, front_door: FrontDoor | None = None):
+def rooted_ingress(fake_engine_cls, front_door: FrontDoor | None = None, root: str = "/roots/base"):
     """An ingress whose base has an adapter root, over a fake engine (which loads nothing: the replica's loads are
     tested in test_replica_adapters.py and test_lora_served.py)."""
-    config, plain = rooted(), ModelConfig.model_validate({"name": "plain", "source": "unused"})
+    config, plain = rooted(root=root), ModelConfig.model_validate({"name": "plain", "source": "unused"})
     clients = {m.name: ForwardRecordingClient(EngineServer(ModelConfig(name=m.name, source="unused"),
                                                            engine_cls=fake_engine_cls, model_path="/unused"))
                for m in (config, plain)}
@@ -221,3 +226,62 @@ async def test_a_tenant_uses_the_roots_adapters_of_a_base_it_may_use_and_no_othe
     assert (refused.status_code, refused.json()["error"]["code"]) == (403, "model_not_allowed")
     assert clients["base"].forwarded == []  # refused before a replica could load anything
     assert (await call(app, "/v1/completions", body, keys["app"])).status_code == 200
+
+
+def adapter_folders(root: Path, *names: str) -> Path:
+    for name in names:
+        (root / name).mkdir(parents=True)
+        (root / name / MARKER).write_text("{}")
+    return root
+
+
+async def test_the_adapters_of_a_root_list_with_their_base_as_parent(fake_engine_cls, tmp_path):
+    root = adapter_folders(tmp_path / "root", "sql", "chat", ".hidden")
+    (root / "notes").mkdir()  # no adapter config: not an adapter
+    router, _ = rooted_ingress(fake_engine_cls, root=str(root))
+    app = router.build_app()
+    cards = (await call(app, "/v1/models")).json()["data"]
+    assert [(card["id"], card.get("parent")) for card in cards] == [
+        ("base", None), ("plain", None), ("base:chat", "base"), ("base:sql", "base")]
+    assert (await call(app, "/v1/models/base:sql")).json()["parent"] == "base"
+
+
+async def test_a_tenant_lists_the_roots_adapters_of_the_bases_it_may_use_only(fake_engine_cls, tmp_path):
+    keys = {"app": "sk-app-0001", "other": "sk-oth-0002"}
+    door = FrontDoor(AuthConfig.model_validate({
+        "tenants": {"app": {"models": ["base"]}, "other": {"models": ["plain"]}},
+        "api_keys": [{"sha256": hash_key(keys["app"]), "tenant": "app"},
+                     {"sha256": hash_key(keys["other"]), "tenant": "other"}]}))
+    router, _ = rooted_ingress(fake_engine_cls, door, root=str(adapter_folders(tmp_path / "root", "sql")))
+    app = router.build_app()
+    assert [card["id"] for card in (await call(app, "/v1/models", key=keys["app"])).json()["data"]] == [
+        "base", "base:sql"]
+    assert [card["id"] for card in (await call(app, "/v1/models", key=keys["other"])).json()["data"]] == ["plain"]
+    assert (await call(app, "/v1/models/base:sql", key=keys["other"])).status_code == 404
+
+
+async def test_a_root_is_listed_again_only_once_its_listing_is_older_than_the_ttl(tmp_path):
+    root = adapter_folders(tmp_path / "root", "a")
+    now = [0.0]
+    listing = RootListing({"base": rooted(root=str(root))}, ttl_s=30.0, clock=lambda: now[0])
+    assert await listing.refresh() == {"base:a": "base"}
+    adapter_folders(root, "b")
+    now[0] = 29.9
+    assert await listing.refresh() == {"base:a": "base"}  # the listing of t=0 serves until t=30
+    now[0] = 30.0
+    assert await listing.refresh() == {"base:a": "base", "base:b": "base"}
+
+
+async def test_a_root_that_cannot_be_listed_keeps_its_last_listing(tmp_path, monkeypatch):
+    root = adapter_folders(tmp_path / "root", "a")
+    now = [0.0]
+    listing = RootListing({"base": rooted(root=str(root)), "other": rooted("other", str(tmp_path / "none"))},
+                          ttl_s=1.0, clock=lambda: now[0])
+    assert await listing.refresh() == {"base:a": "base"}  # a local root missing on this node lists nothing
+
+    def unreadable(root: str) -> list[str]:
+        raise ObjectStoreError(f"could not list {root}: AccessDenied")
+
+    monkeypatch.setattr(adapter_root, "list_folders", unreadable)
+    now[0] = 1.0
+    assert await listing.refresh() == {"base:a": "base"}

@@ -42,7 +42,7 @@ from fleetserve.deployments.ingress.protocol import (
     new_id,
 )
 from fleetserve.deployments.ingress.admission import TenantClass
-from fleetserve.deployments.ingress.adapter_root import root_base
+from fleetserve.deployments.ingress.adapter_root import RootListing, root_base
 from fleetserve.deployments.ingress.adapters import (
     AdapterCatalog,
     AdapterChange,
@@ -144,6 +144,7 @@ class OpenAIIngress:
                 model.name: {a.name: a.source for a in model.lora.adapters}
                 for model in self.models.values() if model.lora is not None}), {})
         self.adapters = AdapterDirectory(configured, lora_bases, adapter_catalog)
+        self.root_adapters = RootListing(self.models)
         # Records are written on the router's thread: in order, and never on the event loop.
         self.ledger = (RouteLedger(routes, self.platform_metrics, front_door, self._route_executor)
                        if routes is not None else None)
@@ -259,9 +260,14 @@ class OpenAIIngress:
             await asyncio.wait_for(self.adapters.refresh(), ADAPTER_LIST_TIMEOUT_S)
         except Exception:  # noqa: BLE001 - a hub down or restarting: list the adapters last read
             logger.warning("the adapter catalog did not answer; listing the adapters last read", exc_info=True)
+        try:  # shielded: a slow store's listing still lands for the next call
+            await asyncio.wait_for(asyncio.shield(self.root_adapters.refresh()), ADAPTER_LIST_TIMEOUT_S)
+        except TimeoutError:
+            logger.warning("the adapter roots are slow to list; listing the adapters last read")
         routed = self.routes.names() if self.routes is not None else []
         listed = [(name, "fleetserve", None) for name in self.clients]
         listed += [(name, "fleetserve", base) for name, base in sorted(self.adapters.bases.items())]
+        listed += [(name, "fleetserve", base) for name, base in sorted(self.root_adapters.bases.items())]
         listed += [(name, "fleetserve-router", None) for name in routed]
         cards = []
         for name, owner, parent in listed:
