@@ -13,6 +13,7 @@ from rich.markup import escape
 
 from fleetserve.platform.config import ConfigError, PlatformConfig, default_config, load_config
 from fleetserve.cli.autoscale import autoscale_app
+from fleetserve.cli.batch import batch
 from fleetserve.cli.errors import print_error
 from fleetserve.cli.router import router_app
 
@@ -413,6 +414,7 @@ def _write_profiles(folder: Path, config: PlatformConfig, plans: list[ModelPlan]
         console.print(f"replica profile: {path}")
 
 
+app.command("batch")(batch)
 app.add_typer(router_app, name="router")
 app.add_typer(autoscale_app, name="autoscale")
 
