@@ -46,12 +46,21 @@ def test_a_configured_adapter_vllm_would_refuse_is_a_config_error_naming_it(tmp_
     (config({}, engine_args={"extra": {"max_loras": 3}}), "set LoRA limits in lora:"),
     ({"models": [{"name": "base", "source": "x", "lora": {"adapters": [{"name": "other", "source": "x"}]}},
                  {"name": "other", "source": "x"}]}, "model name 'other' appears twice"),
-    (config({}, disaggregation={"prefill": {}, "decode": {}}), "lora is not supported for disaggregated models"),
 ])
 def test_lora_config_refused_with_a_reason(data, expected):
     with pytest.raises(ConfigError) as caught:
         parse_config(data)
     assert expected in str(caught.value)
+
+
+def test_both_pools_of_a_disaggregated_model_serve_its_adapters():
+    model = parse_config(config({"adapters": [{"name": "base-sql", "source": "x"}], "max_loras": 2},
+                                disaggregation={"prefill": {}, "decode": {}})).models[0]
+    for pool in ("prefill", "decode"):
+        pool_model = model.pool_model(pool)
+        assert pool_model.adapter_names == ["base-sql"]
+        assert {key: pool_model.engine_kwargs()[key] for key in ("enable_lora", "max_loras")} == {
+            "enable_lora": True, "max_loras": 2}
 
 
 def test_tenants_may_name_adapters():

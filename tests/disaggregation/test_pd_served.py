@@ -17,6 +17,7 @@ from cluster_helpers import kill
 from conftest import Served
 from factories import model_entry
 from fleetserve.deployments.ingress.protocol import HEADER_POOL, HEADER_PREFILL_REPLICA, HEADER_REPLICA
+from fleetserve.deployments.ingress.server import HEADER_ADAPTER_REPLICAS
 from fleetserve.platform.config import parse_config
 
 pytestmark = [pytest.mark.slow]
@@ -35,7 +36,7 @@ def pd_app(served) -> Served:
 
     pool = {"replicas": 2, "cpu_binding": ["0", "1"]}
     config = parse_config({"models": [{
-        **model_entry(MODEL), "resources": {"num_cpus": 0.1},
+        **model_entry(MODEL), "resources": {"num_cpus": 0.1}, "lora": {"max_lora_rank": 8},
         "disaggregation": {"prefill": pool, "decode": pool, "max_prefill_attempts": 3, "prefill_timeout_s": 30}}]})
     serve.run(build_app(config), name="pd", route_prefix="/pd")
     yield Served(base_url=f"{served.base_url}/pd", config=config, handles={})
@@ -96,6 +97,23 @@ def test_anthropic_and_responses_requests_are_disaggregated_through_serve(pd_app
     assert pd.headers[HEADER_POOL] == "decode" and pd.headers[HEADER_PREFILL_REPLICA]
     # The same greedy answer as the suite's colocated tiny model (same source and engine args).
     assert answer_texts(path, pd.json()) == answer_texts(path, reference.json()) != []
+
+
+def test_an_adapter_loaded_at_run_time_is_served_by_both_pools(pd_app):
+    change = {"lora_name": "pd-tiny-c", "lora_path": "random-lora:3"}
+    loaded = httpx.post(f"{pd_app.base_url}/v1/load_lora_adapter", json=change, timeout=120)
+    # The admin API returns once every replica serves it: 2 prefill and 2 decode.
+    assert (loaded.status_code, loaded.headers[HEADER_ADAPTER_REPLICAS]) == (200, "4/4"), loaded.text
+    try:
+        base, adapted = completion(pd_app), completion(pd_app, model="pd-tiny-c")
+        assert adapted.status_code == 200, adapted.text
+        assert adapted.headers[HEADER_PREFILL_REPLICA]  # prefilled in the prefill pool
+        # Exactness against a colocated engine with the adapter is test_pd_lora.py's; here, that it took effect.
+        assert adapted.json()["choices"][0]["text"] != base.json()["choices"][0]["text"]
+    finally:
+        unloaded = httpx.post(f"{pd_app.base_url}/v1/unload_lora_adapter", json={"lora_name": "pd-tiny-c"},
+                              timeout=120)
+        assert unloaded.status_code == 200, unloaded.text
 
 
 def test_anthropic_stream_is_disaggregated_and_ends_with_message_stop(pd_app):

@@ -202,8 +202,10 @@ class DecodeServer(EngineServer):
         body = prefill_body(payload, request.endpoint)
         # The hints did not travel with the request (they are never pickled): the prefill pool's
         # cache-aware router needs them rebuilt from the body here.
+        model = payload.get("model")
+        adapter = model if isinstance(model, str) and model != self.model.name else None
         try:
-            routing = read_fields(request.endpoint, payload).routing_hints(None)
+            routing = read_fields(request.endpoint, payload).routing_hints(None, adapter)
         except APIError:
             routing = RoutingHints()
         errors: list[str] = []

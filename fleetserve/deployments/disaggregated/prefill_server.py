@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,6 +107,9 @@ class PrefillServer(EngineServer):
         Raises:
             PrefillError: vLLM failed the request (5xx) or returned no KV transfer parameters.
         """
+        refusal = await self._root_adapter_refusal(json.loads(request.body), time.time())
+        if refusal is not None:  # the adapter-root adapter it names cannot load here
+            return PrefillResult(self.replica_id, error_status=refusal.head.status_code, error_body=refusal.data)
         head, body = await self.respond(request)
         if 400 <= head.status_code < 500:
             return PrefillResult(self.replica_id, error_status=head.status_code, error_body=body)

@@ -137,9 +137,6 @@ class ModelConfig(Strict):
     def _check_lora(self) -> ModelConfig:
         if self.lora is None:
             return self
-        if self.disaggregation is not None:
-            raise ValueError("lora is not supported for disaggregated models yet: serve the adapters' base "
-                             "colocated")
         if self.routing.prefix_source == "kv_events":
             # vLLM's block hashes include the adapter; the router's token-id index does not, yet.
             raise ValueError("lora with routing.prefix_source kv_events is not supported yet; use routed")
