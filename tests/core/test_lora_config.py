@@ -42,7 +42,6 @@ def test_a_configured_adapter_vllm_would_refuse_is_a_config_error_naming_it(tmp_
     (config({"max_loras": 4, "max_cpu_loras": 2}), "max_cpu_loras (2) must be at least max_loras (4)"),
     (config({"max_lora_rank": 12}), "max_lora_rank 12 is not one vLLM takes: one of 1, 8, 16, 32, 64, 128, 256, 320"),
     (config({"adapters": [{"name": "base", "source": "x"}]}), "'base' is the base model's own name"),
-    (config({}, routing={"prefix_source": "kv_events"}), "lora with routing.prefix_source kv_events"),
     (config({}, engine_args={"extra": {"max_loras": 3}}), "set LoRA limits in lora:"),
     ({"models": [{"name": "base", "source": "x", "lora": {"adapters": [{"name": "other", "source": "x"}]}},
                  {"name": "other", "source": "x"}]}, "model name 'other' appears twice"),

@@ -8,21 +8,21 @@ import time
 import pytest
 
 from factories import MiB, model_entry
-from fleetserve.router.replica.kv_events import KVEventIndex, KVEventSubscriber, token_block_hashes
+from fleetserve.router.replica.kv_events import AdapterTokens, KVEventIndex, KVEventSubscriber, token_block_hashes
 
 kv_events = pytest.importorskip("vllm.distributed.kv_events")
 
 
-def stored(block_hashes, tokens, parent=None, block_size=4, lora_id=None):
+def stored(block_hashes, tokens, parent=None, block_size=4, lora_id=None, lora_name=None):
     return kv_events.BlockStored(block_hashes=block_hashes, parent_block_hash=parent, token_ids=tokens,
-                                 block_size=block_size, lora_id=lora_id, medium="GPU", lora_name=None)
+                                 block_size=block_size, lora_id=lora_id, medium="GPU", lora_name=lora_name)
 
 
 def removed(block_hashes):
     return kv_events.BlockRemoved(block_hashes=block_hashes, medium="GPU")
 
 
-def matched(index: KVEventIndex, tokens: list[int], replica_id: str = "a") -> tuple[int, int]:
+def matched(index: KVEventIndex, tokens: list[int] | AdapterTokens, replica_id: str = "a") -> tuple[int, int]:
     match = index.match(index.hashes(tokens), [replica_id])[0]
     return match.num_matched_blocks, match.num_blocks
 
@@ -66,12 +66,25 @@ def test_orphans_adapters_and_gone_replicas_are_not_indexed():
     index = KVEventIndex(block_size=4)
     # Parent 999 was never seen (a missed event): 2 blocks cannot be placed.
     index.apply("a", stored([101, 102], list(range(1, 9)), parent=999))
-    # A LoRA adapter's KV differs for the same tokens.
+    # An adapter's block from an engine that does not name the adapter: no prompt could be keyed to it.
     index.apply("a", stored([103], [1, 2, 3, 4], lora_id=7))
     assert index.num_orphan_blocks == 2 and index.num_blocks("a") == 0
     index.apply("b", stored([104], [1, 2, 3, 4]))
     index.retain(["a"])
     assert matched(index, [1, 2, 3, 4], replica_id="b") == (0, 1)
+
+
+def test_an_adapters_blocks_match_only_prompts_under_that_adapter():
+    index = KVEventIndex(block_size=4)
+    index.apply("a", stored([101], [1, 2, 3, 4], lora_id=1, lora_name="sql"))
+    index.apply("a", stored([102], [5, 6, 7, 8], parent=101, lora_id=1, lora_name="sql"))
+    tokens = list(range(1, 9))
+    assert matched(index, AdapterTokens("sql", tokens)) == (2, 2)
+    # The same tokens under the base model or another adapter hold other KV.
+    assert matched(index, tokens) == (0, 2)
+    assert matched(index, AdapterTokens("chat", tokens)) == (0, 2)
+    index.apply("a", stored([201], [1, 2, 3, 4]))
+    assert (matched(index, tokens), matched(index, AdapterTokens("sql", tokens))) == ((1, 2), (2, 2))
 
 
 def test_block_hashes_chain_over_full_blocks_only():
@@ -179,3 +192,55 @@ def test_event_keys_render_chats_with_the_replicas_chat_template():
     finally:
         keys.subscriber.close()
         own.subscriber.close()
+
+
+def test_event_keys_key_an_adapters_prompt_under_that_adapter():
+    from fleetserve.platform.api_types import ApiRequest, Endpoint, RoutingHints
+    from fleetserve.router.replica.serve_adapter import EventKeys
+
+    keys = EventKeys("tiny-random-llama")
+    try:
+        request = ApiRequest("req-1", Endpoint.COMPLETIONS, b"{}", routing=RoutingHints(prompt=[5, 6, 7],
+                                                                                        adapter="tiny-sql"))
+        assert keys.key(request) == AdapterTokens("tiny-sql", [5, 6, 7])
+        assert keys.key(ApiRequest("req-2", Endpoint.COMPLETIONS, b"{}", routing=RoutingHints(prompt=[5]))) == [5]
+    finally:
+        keys.subscriber.close()
+
+
+@pytest.mark.slow
+def test_a_real_engines_adapter_blocks_are_keyed_by_the_adapters_served_name(tmp_path):
+    import json
+
+    from fleetserve.deployments.engine_server import EngineServer
+    from fleetserve.loadtest.local_server import free_port
+    from fleetserve.platform.api_types import ApiRequest, Endpoint
+    from fleetserve.platform.config import ModelConfig
+    from fleetserve.platform.model_store import resolve_source
+
+    port = free_port()
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}", "topic": "kv"}
+    model = ModelConfig.model_validate({**model_entry("tiny", extra={"kv_events_config": events}), "lora": {
+        "adapters": [{"name": "tiny-sql", "source": "random-lora:1"}], "max_lora_rank": 8}})
+    server = EngineServer(model, replica_id="r0", cpu_binding="1", model_path=resolve_source(model.source))
+    subscriber = None
+    try:
+        index = KVEventIndex(block_size=server.engine.block_size)
+        subscriber = KVEventSubscriber(index, topic="kv")
+        subscriber.follow("r0", f"tcp://127.0.0.1:{port}")
+        prompt = [(7 * i) % 2000 + 10 for i in range(2 * index.block_size + 44)]  # 2 full blocks
+
+        async def scenario() -> None:
+            await asyncio.sleep(0.5)  # ZMQ subscribers miss what is published before they connect
+            body = {"model": "tiny-sql", "prompt": prompt, "max_tokens": 2}
+            request = ApiRequest("sql-1", Endpoint.COMPLETIONS, json.dumps(body).encode())
+            assert [chunk async for chunk in server.forward(request)][0].head.status_code == 200
+            assert await wait_for(lambda: matched(index, AdapterTokens("tiny-sql", prompt), "r0") == (2, 2))
+
+        asyncio.run(scenario())
+        # The adapter's blocks are not the base model's.
+        assert matched(index, prompt, "r0") == (0, 2)
+    finally:
+        if subscriber is not None:
+            subscriber.close()
+        server.shutdown()

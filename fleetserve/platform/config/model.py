@@ -137,9 +137,6 @@ class ModelConfig(Strict):
     def _check_lora(self) -> ModelConfig:
         if self.lora is None:
             return self
-        if self.routing.prefix_source == "kv_events":
-            # vLLM's block hashes include the adapter; the router's token-id index does not, yet.
-            raise ValueError("lora with routing.prefix_source kv_events is not supported yet; use routed")
         if any(key in self.engine_args.extra for key in self.lora.engine_kwargs()):
             raise ValueError(f"engine_args.extra: set LoRA limits in lora:, not "
                              f"{sorted(set(self.engine_args.extra) & set(self.lora.engine_kwargs()))}")

@@ -17,7 +17,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from fleetserve.router.replica.prefix_index import PrefixMatch, chained_hashes, num_leading
 
@@ -28,6 +28,20 @@ ROOT_HASH = b""
 # confirm them: enough for the prefill to run and BlockStored to arrive, so a burst sharing a prefix
 # stays together instead of scattering while the first request is still prefilling.
 PENDING_TTL_S = 5.0
+
+
+class AdapterTokens(NamedTuple):
+    """A prompt's token ids under a LoRA adapter: its blocks chain from the adapter's own root, as vLLM's block
+    hashes include the adapter (the same tokens under another adapter, or none, hold other KV)."""
+
+    # The adapter's served name (vLLM's ``lora_name``, which its events carry).
+    adapter: str
+    token_ids: Sequence[int]
+
+
+def adapter_root(adapter: str | None) -> bytes:
+    """The chain's seed for prompts under ``adapter``; ROOT_HASH for the base model."""
+    return ROOT_HASH if adapter is None else chained_hashes([b"lora:" + adapter.encode()], ROOT_HASH)[0]
 
 
 def token_block_hashes(token_ids: Sequence[int], block_size: int, parent: bytes = ROOT_HASH) -> list[bytes]:
@@ -81,10 +95,11 @@ class KVEventIndex:
                 held.clear()
 
     def _store(self, event: Any, chains: dict[Any, bytes], held: Counter[bytes]) -> None:
-        if getattr(event, "lora_id", None) is not None:
-            return  # adapters change the KV for the same tokens; only base-model blocks are indexed
+        adapter = getattr(event, "lora_name", None)
+        if adapter is None and getattr(event, "lora_id", None) is not None:
+            return  # an adapter's blocks from an engine that does not name it: no prompt could match them
         if event.parent_block_hash is None:
-            parent = ROOT_HASH
+            parent = adapter_root(adapter)
         elif event.parent_block_hash in chains:
             parent = chains[event.parent_block_hash]
         else:
@@ -103,9 +118,13 @@ class KVEventIndex:
             self._held.pop(replica_id, None)
             self._pending.pop(replica_id, None)
 
-    def hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+    def hashes(self, key: Sequence[int] | AdapterTokens) -> list[bytes]:
         """A prompt's chained block hashes, to match against replicas (none before the block size is known)."""
-        return token_block_hashes(token_ids, self.block_size) if self.block_size else []
+        if not self.block_size:
+            return []
+        if isinstance(key, AdapterTokens):
+            return token_block_hashes(key.token_ids, self.block_size, adapter_root(key.adapter))
+        return token_block_hashes(key, self.block_size)
 
     def insert(self, replica_id: str, hashes: Sequence[bytes]) -> None:
         """Counts a prompt just routed to the replica as held there for PENDING_TTL_S, until events confirm."""

@@ -18,7 +18,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from fleetserve.router.replica import decisions
-from fleetserve.router.replica.kv_events import KVEventIndex, KVEventSubscriber
+from fleetserve.router.replica.kv_events import AdapterTokens, KVEventIndex, KVEventSubscriber
 from fleetserve.platform.api_types import ApiRequest, RoutingHints
 from fleetserve.platform.config import RoutingConfig
 from fleetserve.platform.replica_report import ReplicaReport
@@ -117,12 +117,17 @@ class EventKeys:
                 self.subscriber.follow(replica.replica_id.unique_id, events.endpoint)
                 self.index.block_size = self.index.block_size or events.block_size
 
-    def key(self, request: Any) -> list[int]:
-        from fleetserve.platform.engine import chat_token_ids
-
+    def key(self, request: Any) -> list[int] | AdapterTokens:
+        """The prompt's token ids, under the adapter the request names (its blocks are the adapter's)."""
         routing = routing_hints(request)
         if routing is None:
             return []
+        token_ids = self._token_ids(routing)
+        return AdapterTokens(routing.adapter, token_ids) if routing.adapter is not None else token_ids
+
+    def _token_ids(self, routing: RoutingHints) -> list[int]:
+        from fleetserve.platform.engine import chat_token_ids
+
         if routing.messages is not None:
             try:
                 return chat_token_ids(self.tokenizer, routing.messages, self.chat_template)
