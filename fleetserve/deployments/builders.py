@@ -87,21 +87,26 @@ def _engine_deployment(model: ModelConfig, bindings: dict[str, list[str] | None]
     """The deployment the ingress calls for ``model``: its engine, or its decode pool behind a prefill pool."""
     version = _engine_version(model, bindings, model_path, engine_cls, server)
     if model.disaggregation is None:
-        options = deployment_options(model, server)
-        if model.routing.prefix_source == "kv_events":
-            # The router tokenizes prompts as the engines do, to match the blocks their events describe.
-            router_kwargs = options["request_router_config"]["request_router_kwargs"]
-            router_kwargs["tokenizer_source"] = model_path or model.source
-            # Not the hub token: Serve shows its router kwargs; the router reads HF_TOKEN.
-            router_kwargs["tokenizer_revision"] = None if model_path else model.source_revision
-            router_kwargs["chat_template"] = chat_template_text(model)
-        return versioned(EngineDeployment.options(**options), version).bind(
+        return versioned(EngineDeployment.options(**pool_options(model, model_path, server)), version).bind(
             model, bindings[deployment_name(model)], model_path, hub, engine_cls)
     prefill, decode = model.pool_model("prefill"), model.pool_model("decode")
-    prefill_app = versioned(PrefillDeployment.options(**deployment_options(prefill, server)), version).bind(
+    prefill_app = versioned(PrefillDeployment.options(**pool_options(prefill, model_path, server)), version).bind(
         model, bindings[deployment_name(prefill)], model_path, hub, engine_cls)
-    return versioned(DecodeDeployment.options(**deployment_options(decode, server)), version).bind(
+    return versioned(DecodeDeployment.options(**pool_options(decode, model_path, server)), version).bind(
         model, bindings[deployment_name(decode)], model_path, hub, prefill_app, engine_cls)
+
+
+def pool_options(model: ModelConfig, model_path: str | None, server: ServerConfig) -> dict[str, Any]:
+    """One pool's Serve options; a router that follows the engines' KV events also gets their tokenizer."""
+    options = deployment_options(model, server)
+    if model.routing.prefix_source == "kv_events":
+        # The router tokenizes prompts as the engines do, to match the blocks their events describe.
+        router_kwargs = options["request_router_config"]["request_router_kwargs"]
+        router_kwargs["tokenizer_source"] = model_path or model.source
+        # Not the hub token: Serve shows its router kwargs; the router reads HF_TOKEN.
+        router_kwargs["tokenizer_revision"] = None if model_path else model.source_revision
+        router_kwargs["chat_template"] = chat_template_text(model)
+    return options
 
 
 def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: type[Engine] = Engine) -> Application:

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 from fleetserve.deployments.serve_options import deployment_options
-from fleetserve.platform.config import ConfigError, default_config, load_config, parse_config
+from fleetserve.platform.config import ConfigError, ServerConfig, default_config, load_config, parse_config
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -150,14 +150,28 @@ def test_routed_example_resolves_checkpoints_next_to_the_file():
      "needs engine_args.enable_prefix_caching"),
     ({"routing": {"prefix_source": "kv_events"}, "engine_args": {"extra": {"kv_events_config": {}}}},
      "the platform sets it"),
-    ({"routing": {"prefix_source": "kv_events"},
-      "disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}}, "not supported for disaggregated"),
+    ({"disaggregation": {"prefill": {"routing": {"prefix_source": "kv_events"}}, "decode": {}},
+      "engine_args": {"extra": {"kv_events_config": {}}}}, "the platform sets it"),
     ({"routing": {"prefix_source": "kv_events"}, "engine_args": {"extra": {"tokenizer": "acme/tokenizer"}}},
      "engine_args.extra.tokenizer with routing.prefix_source kv_events is not supported yet"),
 ])
 def test_kv_event_routing_config_errors(model, expected):
     with pytest.raises(ConfigError, match=expected):
         parse_config({"models": [{"name": "m", "source": "tiny-random-llama", **model}]})
+
+
+def test_a_prefill_pool_routed_on_kv_events_gets_the_engines_tokenizer_and_the_decode_pool_does_not():
+    from fleetserve.deployments.builders import pool_options
+
+    model = parse_config({"models": [{"name": "m", "source": "tiny-random-llama", "routing": {
+        "prefix_source": "kv_events"}, "disaggregation": {"prefill": {}, "decode": {}}}]}).models[0]
+    prefill = pool_options(model.pool_model("prefill"), "/models/m", ServerConfig())
+    kwargs = prefill["request_router_config"]["request_router_kwargs"]
+    assert (kwargs["routing"]["prefix_source"], kwargs["tokenizer_source"]) == ("kv_events", "/models/m")
+    decode = pool_options(model.pool_model("decode"), "/models/m", ServerConfig())
+    # The decode pool is routed least_loaded (its prompts' KV comes from the prefill pool): no tokenizer.
+    decode_kwargs = decode["request_router_config"]["request_router_kwargs"]
+    assert (list(decode_kwargs), decode_kwargs["routing"]["policy"]) == (["routing"], "least_loaded")
 
 
 def test_kv_event_routing_reaches_the_request_router():

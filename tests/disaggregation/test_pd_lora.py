@@ -2,13 +2,16 @@
 decode server, and a colocated reference engine with the same engine args and adapters.
 
 SmolLM2 in float32, whose greedy output follows the prompt's KV: a prefill run without the adapter would hand
-the decode engine KV that gives other tokens than the reference's.
+the decode engine KV that gives other tokens than the reference's. The prefill engine publishes its KV events, as
+a prefill pool routed on them does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -18,10 +21,13 @@ from fleetserve.deployments.disaggregated.decode_server import DecodeServer, Loc
 from fleetserve.deployments.disaggregated.prefill_server import PrefillServer
 from fleetserve.deployments.engine_server import EngineServer
 from fleetserve.platform.api_types import ApiRequest, Endpoint
+from fleetserve.loadtest.local_server import free_port
 from fleetserve.platform.config import ModelConfig
+from fleetserve.platform.engine import KV_EVENTS_TOPIC
 from fleetserve.platform.kv_transfer import KVTransferSpec, lease_side_channel_ports
 from fleetserve.platform.lora_store import random_lora
 from fleetserve.platform.model_store import resolve_source
+from fleetserve.router.replica.kv_events import AdapterTokens, KVEventIndex, KVEventSubscriber
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 pytest.importorskip("nixl", reason="disaggregation needs nixl (make install adds it)")
@@ -50,11 +56,17 @@ def engines(tmp_path_factory):
     path = resolve_source(model.source)
     shutil.copytree(random_lora(Path(path), 2), root / "b")
     reference = EngineServer(model, replica_id="ref", cpu_binding="1", model_path=path)
+    # The prefill engine publishes its KV events, as a prefill pool routed on them does.
+    events_port = free_port()
     prefill = PrefillServer(model.pool_model("prefill"), kv_transfer=spec(), replica_id="p0", cpu_binding="0",
-                            model_path=path)
+                            model_path=path, kv_events_port=events_port)
     decode = DecodeServer(model.pool_model("decode"), kv_transfer=spec(), replica_id="d0", cpu_binding="1",
                           model_path=path, prefill_client=LocalPrefillClient([prefill]))
-    yield reference, decode
+    index = KVEventIndex(block_size=prefill.engine.block_size)
+    subscriber = KVEventSubscriber(index, topic=KV_EVENTS_TOPIC)
+    subscriber.follow("p0", f"tcp://127.0.0.1:{events_port}")
+    yield reference, decode, index
+    subscriber.close()
     for server in (reference, prefill, decode):
         server.shutdown()
 
@@ -69,7 +81,7 @@ async def complete(server: EngineServer, name: str, request_id: str) -> tuple[in
 
 
 async def test_an_adapters_request_is_prefilled_and_decoded_under_that_adapter(engines):
-    reference, decode = engines
+    reference, decode, _ = engines
     tokens = {}
     for name in (BASE, CONFIGURED, ROOTED):
         status, body, prefill_id = await complete(decode, name, f"pd-{name}")
@@ -82,6 +94,24 @@ async def test_an_adapters_request_is_prefilled_and_decoded_under_that_adapter(e
 
 
 async def test_a_missing_root_adapter_is_a_404_before_any_prefill(engines):
-    _, decode = engines
+    _, decode, _ = engines
     status, body, prefill_id = await complete(decode, f"{BASE}:nope", "pd-nope")
     assert (status, body["error"]["code"], prefill_id) == (404, "model_not_found", None)
+
+
+async def test_the_prefill_engines_kv_events_name_the_adapter_its_blocks_were_computed_under(engines):
+    _, decode, index = engines
+    await asyncio.sleep(0.5)  # ZMQ subscribers miss what is published before they connect
+    prompt = [PROMPT[0] + 1, *PROMPT[1:]]  # a prompt no earlier test cached
+    body = {"model": CONFIGURED, "prompt": prompt, **GREEDY}
+    request = ApiRequest("pd-events", Endpoint.COMPLETIONS, json.dumps(body).encode())
+    assert [chunk async for chunk in decode.forward(request)][0].head.prefill_replica_id == "p0"
+
+    def held(key) -> int:
+        return index.match(index.hashes(key), ["p0"])[0].num_matched_blocks
+
+    deadline = time.monotonic() + 10
+    while held(AdapterTokens(CONFIGURED, prompt)) < 2 and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    # 300 tokens: 2 full blocks of 128, held under the adapter and not under the base model.
+    assert (held(AdapterTokens(CONFIGURED, prompt)), held(prompt)) == (2, 0)

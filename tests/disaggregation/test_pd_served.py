@@ -37,6 +37,8 @@ def pd_app(served) -> Served:
     pool = {"replicas": 2, "cpu_binding": ["0", "1"]}
     config = parse_config({"models": [{
         **model_entry(MODEL), "resources": {"num_cpus": 0.1}, "lora": {"max_lora_rank": 8},
+        # The prefill pool follows its engines' KV events (colocated kv_events routing: the multinode tests).
+        "routing": {"prefix_source": "kv_events"},
         "disaggregation": {"prefill": pool, "decode": pool, "max_prefill_attempts": 3, "prefill_timeout_s": 30}}]})
     serve.run(build_app(config), name="pd", route_prefix="/pd")
     yield Served(base_url=f"{served.base_url}/pd", config=config, handles={})
@@ -154,10 +156,11 @@ def test_prefill_pool_is_routed_cache_aware(pd_app):
             assert response.status_code == 200
             key = (group, response.headers[HEADER_REPLICA])
             prefill_replicas.setdefault(key, set()).add(response.headers[HEADER_PREFILL_REPLICA])
-    # Each decode replica routes its own prefills with the prefill pool's cache-aware router (the model's
-    # default routing): after a group's first request through it, its prefix is indexed on one prefill
-    # replica and the rest of the group follows. The decode pool is routed least_loaded, so a group may
-    # reach the prefill pool through both decode replicas, each with its own index (docs/routing.md).
+    # Each decode replica routes its own prefills with the prefill pool's cache-aware router, on the prefill
+    # engines' KV events: after a group's first prefill, its blocks are held on one prefill replica and the
+    # rest of the group follows. The decode pool is routed least_loaded, so a group may reach the prefill pool
+    # through both decode replicas; a router subscribes to the events at its first request, and misses those
+    # published before it (docs/routing.md).
     assert all(len(replicas) == 1 for replicas in prefill_replicas.values()), prefill_replicas
     assert sum(len(replicas) for replicas in prefill_replicas.values()) >= 2  # some prefill routing happened
 

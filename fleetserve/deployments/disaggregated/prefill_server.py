@@ -159,5 +159,6 @@ class PrefillDeployment(KVTransferReplica, PrefillServer):
         config = model.pool_model("prefill")
         replica_id, binding = self._replica_identity(config, cpu_bindings)
         super().__init__(config, kv_transfer=self._kv_transfer(config), replica_id=replica_id,
-                         cpu_binding=binding, model_path=model_path, engine_cls=engine_cls)
+                         cpu_binding=binding, model_path=model_path, engine_cls=engine_cls,
+                         kv_events_port=self._kv_events_port(config))
         await self._start_replica_tasks(metrics_hub)

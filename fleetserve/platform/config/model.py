@@ -116,11 +116,10 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check_kv_events(self) -> ModelConfig:
-        if self.routing.prefix_source != "kv_events":
+        pools = [self.disaggregation.prefill, self.disaggregation.decode] if self.disaggregation else []
+        routings = [self.routing, *(pool.routing for pool in pools if pool.routing is not None)]
+        if all(routing.prefix_source != "kv_events" for routing in routings):
             return self
-        if self.disaggregation is not None:
-            raise ValueError("routing.prefix_source kv_events is not supported for disaggregated models yet; "
-                             "use routed")
         if self.engine_args.enable_prefix_caching is False:
             raise ValueError("routing.prefix_source kv_events needs engine_args.enable_prefix_caching")
         if "kv_events_config" in self.engine_args.extra:
