@@ -102,9 +102,14 @@ def pool_options(model: ModelConfig, model_path: str | None, server: ServerConfi
     if model.routing.prefix_source == "kv_events":
         # The router tokenizes prompts as the engines do, to match the blocks their events describe.
         router_kwargs = options["request_router_config"]["request_router_kwargs"]
-        router_kwargs["tokenizer_source"] = model_path or model.source
         # Not the hub token: Serve shows its router kwargs; the router reads HF_TOKEN.
-        router_kwargs["tokenizer_revision"] = None if model_path else model.source_revision
+        tokenizer = model.engine_args.extra.get("tokenizer")
+        if tokenizer is not None:  # the engines' own (a folder beside the config, or a Hub id at its revision)
+            router_kwargs["tokenizer_source"] = tokenizer
+            router_kwargs["tokenizer_revision"] = model.engine_args.extra.get("tokenizer_revision")
+        else:
+            router_kwargs["tokenizer_source"] = model_path or model.source
+            router_kwargs["tokenizer_revision"] = None if model_path else model.source_revision
         router_kwargs["chat_template"] = chat_template_text(model)
     return options
 

@@ -152,8 +152,6 @@ def test_routed_example_resolves_checkpoints_next_to_the_file():
      "the platform sets it"),
     ({"disaggregation": {"prefill": {"routing": {"prefix_source": "kv_events"}}, "decode": {}},
       "engine_args": {"extra": {"kv_events_config": {}}}}, "the platform sets it"),
-    ({"routing": {"prefix_source": "kv_events"}, "engine_args": {"extra": {"tokenizer": "acme/tokenizer"}}},
-     "engine_args.extra.tokenizer with routing.prefix_source kv_events is not supported yet"),
 ])
 def test_kv_event_routing_config_errors(model, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -172,6 +170,20 @@ def test_a_prefill_pool_routed_on_kv_events_gets_the_engines_tokenizer_and_the_d
     # The decode pool is routed least_loaded (its prompts' KV comes from the prefill pool): no tokenizer.
     decode_kwargs = decode["request_router_config"]["request_router_kwargs"]
     assert (list(decode_kwargs), decode_kwargs["routing"]["policy"]) == (["routing"], "least_loaded")
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({}, ("/models/m", None)),
+    ({"tokenizer": "/tokenizers/m"}, ("/tokenizers/m", None)),
+    ({"tokenizer": "acme/tokenizer", "tokenizer_revision": "v2"}, ("acme/tokenizer", "v2")),
+])
+def test_a_router_on_kv_events_tokenizes_with_the_engines_tokenizer(extra, expected):
+    from fleetserve.deployments.builders import pool_options
+
+    model = parse_config({"models": [{"name": "m", "source": "tiny-random-llama", "engine_args": {"extra": extra},
+                                      "routing": {"prefix_source": "kv_events"}}]}).models[0]
+    kwargs = pool_options(model, "/models/m", ServerConfig())["request_router_config"]["request_router_kwargs"]
+    assert (kwargs["tokenizer_source"], kwargs["tokenizer_revision"]) == expected
 
 
 def test_kv_event_routing_reaches_the_request_router():

@@ -121,6 +121,9 @@ def test_a_revision_for_a_source_without_revisions_is_refused(tmp_path):
     ({"tokenizer_revision": "v2"}, "tokenizer_revision"),
     ({"revision": "v1", "code_revision": "v2"}, "code_revision"),
     ({"revision": "v1", "tokenizer_revision": "v1"}, None),
+    # A tokenizer of its own comes at its own revision.
+    ({"revision": "v1", "tokenizer": "acme/tokenizer", "tokenizer_revision": "v2"}, None),
+    ({"revision": "v1", "tokenizer": "acme/tokenizer", "code_revision": "v2"}, "code_revision"),
 ])
 def test_a_tokenizer_or_code_revision_apart_from_the_models_is_refused(extra, refused):
     from fleetserve.platform.config import ConfigError, parse_config

@@ -106,7 +106,9 @@ class ModelConfig(Strict):
     @model_validator(mode="after")
     def _check_revisions(self) -> ModelConfig:
         # The store fetches one revision into one folder, which vLLM then reads weights, code and tokenizer from.
-        for key in ("tokenizer_revision", "code_revision"):
+        # A tokenizer of its own (engine_args.extra.tokenizer) comes at its own revision.
+        own_tokenizer = self.engine_args.extra.get("tokenizer") is not None
+        for key in ("code_revision",) if own_tokenizer else ("tokenizer_revision", "code_revision"):
             value = self.engine_args.extra.get(key)
             if value is not None and value != self.source_revision:
                 raise ValueError(f"engine_args.extra.{key}: the model's files come from one revision of its source "
@@ -125,11 +127,6 @@ class ModelConfig(Strict):
         if "kv_events_config" in self.engine_args.extra:
             raise ValueError("engine_args.extra.kv_events_config: the platform sets it for "
                              "routing.prefix_source kv_events; remove it")
-        if self.engine_args.extra.get("tokenizer") is not None:
-            # Blocks match by token ids: tokenized apart from the engines, no prompt would find its cache.
-            raise ValueError("engine_args.extra.tokenizer with routing.prefix_source kv_events is not supported yet: "
-                             "the router tokenizes prompts with the source's tokenizer; put the tokenizer in the "
-                             "model's folder, or use routed")
         return self
 
     @model_validator(mode="after")
