@@ -150,9 +150,12 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
 def app_builder(args: dict[str, Any]) -> Application:
     """Serve application builder for config files (RayService serveConfigV2, ``serve run``).
 
+    Each replica resolves its own model source: the builder runs in a task on whichever node Serve picks (the
+    head pod, without GPUs or room for weights), so a folder it fetched would not exist where replicas run.
+
     Args:
         args: ``{"platform": <platform config>}``, as the Helm chart writes it.
     """
     if "platform" not in args:
         raise ConfigError("application args need a 'platform' key holding the fleetserve platform config")
-    return build_app(parse_config(args["platform"], origin="serve application args"))
+    return build_app(parse_config(args["platform"], origin="serve application args"), resolve_locally=False)

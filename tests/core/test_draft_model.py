@@ -97,3 +97,19 @@ def test_bare_vllm_serve_gets_the_resolved_draft_too():
     command = vllm_serve_command(draft_model(model="tiny-random-llama"))
     spec = json.loads(command[command.index("--speculative-config") + 1])
     assert spec == {"num_speculative_tokens": 2, "model": str(resolve_source("tiny-random-llama"))}
+
+
+def test_the_config_file_builder_leaves_sources_to_the_replicas(monkeypatch):
+    from fleetserve.deployments import builders
+
+    def fetched_here(*args, **kwargs):
+        raise AssertionError("the builder's node fetched a model source")
+
+    monkeypatch.setattr(builders, "resolve_source", fetched_here)
+    app = builders.app_builder({"platform": {"models": [model_entry(source="acme/llama-8b", speculative_config={
+        "model": "acme/llama-1b", "num_speculative_tokens": 2})]}})
+    engines = app._bound_deployment.init_args[0]
+    bound = engines["tiny"]._bound_deployment.init_args
+    # (model, cpu bindings, model path, ...): no path, so the replica resolves the Hub id (and the draft) itself.
+    assert (bound[0].source, bound[2], bound[0].engine_args.speculative_config["model"]) == (
+        "acme/llama-8b", None, "acme/llama-1b")
