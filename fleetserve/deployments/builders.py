@@ -14,10 +14,11 @@ from fleetserve.deployments.disaggregated.decode_server import DecodeDeployment
 from fleetserve.deployments.disaggregated.prefill_server import PrefillDeployment
 from fleetserve.deployments.engine_server import EngineDeployment
 from fleetserve.deployments.ingress.server import IngressDeployment
-from fleetserve.deployments.metrics_hub import MetricsHubDeployment
-from fleetserve.deployments.serve_options import (control_actor_options, deployment_name, deployment_options,
-                                                  ingress_options, serve_runtime_env)
-from fleetserve.platform.config import ConfigError, ModelConfig, PlatformConfig, ServerConfig, parse_config
+from fleetserve.deployments.metrics_hub import HUB_DEPLOYMENT, MetricsHubDeployment
+from fleetserve.deployments.serve_options import (DeploymentRef, control_actor_options, deployment_name,
+                                                  deployment_options, ingress_options, serve_runtime_env)
+from fleetserve.platform.config import (ConfigError, ModelConfig, PlatformConfig, ServerConfig, parse_config,
+                                        serve_safe)
 from fleetserve.platform.engine import Engine, plan_cpu_binding
 from fleetserve.platform.model_store import resolve_source, with_local_draft
 from fleetserve.platform.openai_app import chat_template_text
@@ -147,6 +148,68 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
                         config.auth, config.limits, config)
 
 
+# The applications of a multi-application deployment (the chart's serveConfigV2): the front door on "/", the
+# metrics hub, and one per model (``model_app_name``). Serve's declarative API versions every deployment of an
+# application by that application's args, so a model in an application of its own restarts only when its own
+# config changes; in one application, any change to the platform restarted every model.
+FRONT_APP = "fleetserve"
+HUB_APP = "fleetserve-hub"
+
+
+def model_app_name(model_name: str) -> str:
+    """The application of one model (its engine deployment's name); the chart writes the same."""
+    return f"engine-{serve_safe(model_name)}"
+
+
+def front_app_builder(args: dict[str, Any]) -> Application:
+    """The ingress alone, reaching each model's application and the hub's by name.
+
+    Args:
+        args: ``{"platform": <platform config>}``.
+    """
+    config = parse_config(_platform_args(args), origin="serve application args")
+    engines = {model.name: DeploymentRef(deployment_name(model), model_app_name(model.name))
+               for model in config.models}
+    return IngressDeployment.options(**ingress_options(config.limits, config.server)).bind(
+        engines, DeploymentRef(HUB_DEPLOYMENT, HUB_APP), {model.name: model for model in config.models},
+        config.model_routing, config.auth, config.limits, config)
+
+
+def hub_app_builder(args: dict[str, Any]) -> Application:
+    """The metrics hub alone. Its adapters come as its ``user_config`` (the chart writes the models'), which
+    Serve hands to a running hub without a restart, keeping the adapters loaded at run time.
+
+    Args:
+        args: ``{"server": <the server settings it reads: custom_resources>}``.
+    """
+    server = ServerConfig.model_validate(args.get("server") or {})
+    return MetricsHubDeployment.options(ray_actor_options=control_actor_options(server),
+                                        user_config={"adapters": {}}).bind({})
+
+
+def model_app_builder(args: dict[str, Any]) -> Application:
+    """One model's engine deployment (its prefill and decode deployments, disaggregated), reaching the hub by name.
+    Each replica resolves the model's source.
+
+    Args:
+        args: ``{"server": <the server settings engines read: serve_fast_path, drain_timeout_s>, "model": <one
+            entry of the platform config's models>}``.
+    """
+    if "model" not in args:
+        raise ConfigError("application args need a 'model' key holding one entry of the platform config's models")
+    config = parse_config({"server": args.get("server") or {}, "models": [args["model"]]},
+                          origin="serve application args")
+    model = config.models[0]
+    return _engine_deployment(model, cpu_bindings_per_deployment(config), None, DeploymentRef(HUB_DEPLOYMENT, HUB_APP),
+                              Engine, config.server)
+
+
+def _platform_args(args: dict[str, Any]) -> dict[str, Any]:
+    if "platform" not in args:
+        raise ConfigError("application args need a 'platform' key holding the fleetserve platform config")
+    return args["platform"]
+
+
 def app_builder(args: dict[str, Any]) -> Application:
     """Serve application builder for config files (RayService serveConfigV2, ``serve run``).
 
@@ -156,6 +219,4 @@ def app_builder(args: dict[str, Any]) -> Application:
     Args:
         args: ``{"platform": <platform config>}``, as the Helm chart writes it.
     """
-    if "platform" not in args:
-        raise ConfigError("application args need a 'platform' key holding the fleetserve platform config")
-    return build_app(parse_config(args["platform"], origin="serve application args"), resolve_locally=False)
+    return build_app(parse_config(_platform_args(args), origin="serve application args"), resolve_locally=False)

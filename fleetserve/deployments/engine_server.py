@@ -23,6 +23,7 @@ from ray import serve
 
 from fleetserve.autoscaler.serve_adapter import autoscaling_metrics
 from fleetserve.deployments.allocator import tune_for_serving
+from fleetserve.deployments.serve_options import resolve_handle
 from fleetserve.platform.adapter_registry import AdapterOp, AdapterSet
 from fleetserve.platform.adapter_root import AdapterNameError, load_error, root_folder, root_source
 from fleetserve.platform.api_errors import is_error_event, with_engine_death_errors
@@ -275,6 +276,7 @@ class ServeReplica:
         """
         self.metrics.set_node(ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address())
         loop = asyncio.get_event_loop()
+        metrics_hub = resolve_handle(metrics_hub)
         self._hub = metrics_hub
         self._app_warmup = loop.create_task(self._warm_up())
         self._publisher = loop.create_task(self._publish()) if metrics_hub else None

@@ -6,6 +6,7 @@ module says how Serve runs it, and names the adapters that put fleetserve's poli
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from fleetserve.autoscaler.serve_adapter import ServeAutoscalingPolicy
@@ -39,6 +40,25 @@ CONTROLLER_ENV = {"RAY_SERVE_FORCE_STOP_UNHEALTHY_REPLICAS": "1"}
 # fixed ports, so a second cluster on one machine could not start its HAProxy (address in use) and never
 # answered.
 HAPROXY_PORT_ENV = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+
+
+@dataclass(frozen=True)
+class DeploymentRef:
+    """A deployment of another Serve application, reached by name: applications cannot ``.bind()`` each other's
+    deployments (the chart runs the ingress, the metrics hub and each model as applications of their own)."""
+
+    deployment: str
+    app: str
+
+
+def resolve_handle(handle: Any) -> Any:
+    """A deployment handle for ``handle``: itself, or the handle a ``DeploymentRef`` names. Applications start
+    together, so the named one need not run yet: calls wait for it."""
+    if not isinstance(handle, DeploymentRef):
+        return handle
+    from ray import serve
+
+    return serve.get_deployment_handle(handle.deployment, handle.app, _check_exists=False)
 
 
 def deployment_name(model: ModelConfig) -> str:

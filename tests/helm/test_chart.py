@@ -169,25 +169,60 @@ def test_autoscaler_settings_reach_the_ray_cluster():
     assert cluster["autoscalerOptions"] == {"upscalingMode": "Conservative", "idleTimeoutSeconds": 300}
 
 
-def test_serve_config_parses_as_a_serve_application_of_our_builder():
+def test_serve_config_parses_as_serve_applications_of_our_builders():
     from ray.serve.schema import ServeDeploySchema
 
+    from fleetserve.deployments.builders import FRONT_APP, HUB_APP, model_app_name
+    from fleetserve.deployments.metrics_hub import HUB_DEPLOYMENT
     from fleetserve.deployments.serve_options import deployment_options
     from fleetserve.platform.config import parse_config
 
     # A Hugging Face id as the name: the chart's schema takes what the platform config takes.
-    platform = {"models": [{"name": "meta-llama/Llama-3.1-8B", "source": "/models/llama", "replicas": 2,
-                            "autoscaling": {"min_replicas": 1, "max_replicas": 4},
-                            "resources": {"num_gpus": 1, "custom_resources": {"mig-3g.40gb": 1}}}]}
+    llama = {"name": "meta-llama/Llama-3.1-8B", "source": "/models/llama", "replicas": 2,
+             "autoscaling": {"min_replicas": 1, "max_replicas": 4},
+             "resources": {"num_gpus": 1, "custom_resources": {"mig-3g.40gb": 1}},
+             "lora": {"adapters": [{"name": "llama-sql", "source": "s3://adapters/sql"}]}}
+    small = {"name": "small", "source": "/models/small", "lora": {}}
+    platform = {"server": {"drain_timeout_s": 60, "num_ingress_replicas": 3}, "models": [llama, small]}
     service = find(render({"platform": platform}), "RayService")
     serve_config = ServeDeploySchema.model_validate(yaml.safe_load(service["spec"]["serveConfigV2"]))
-    [application] = serve_config.applications
-    module, attribute = application.import_path.split(":")
-    assert callable(getattr(importlib.import_module(module), attribute))
-    config = parse_config(application.args["platform"])
-    assert deployment_options(config.models[0], config.server)["name"] == "engine-meta-llama--Llama-3.1-8B"
-    assert deployment_options(config.models[0], config.server)["autoscaling_config"]["max_replicas"] == 4
-    assert deployment_options(config.models[0], config.server)["ray_actor_options"]["resources"] == {"mig-3g.40gb": 1}
+    apps = {app.name: app for app in serve_config.applications}
+    assert list(apps) == [FRONT_APP, HUB_APP, model_app_name(llama["name"]), model_app_name("small")]
+    for app in apps.values():
+        module, attribute = app.import_path.split(":")
+        assert callable(getattr(importlib.import_module(module), attribute))
+    assert [app.route_prefix for app in apps.values()] == ["/", None, None, None]
+    config = parse_config(apps[FRONT_APP].args["platform"])
+    assert config.server.num_ingress_replicas == 3
+    # Each model's application holds that model's entry and only the server settings engines read.
+    model_app = apps[model_app_name(llama["name"])]
+    assert model_app.args == {"server": {"drain_timeout_s": 60}, "model": llama}
+    engine = parse_config({"server": model_app.args["server"], "models": [model_app.args["model"]]})
+    options = deployment_options(engine.models[0], engine.server)
+    assert (options["name"], options["autoscaling_config"]["max_replicas"]) == ("engine-meta-llama--Llama-3.1-8B", 4)
+    assert options["ray_actor_options"]["resources"] == {"mig-3g.40gb": 1}
+    assert options["graceful_shutdown_timeout_s"] == 60
+    # The hub's registry: every base with lora, `lora: {}` included, as the builder's own would be.
+    [hub] = apps[HUB_APP].deployments
+    assert (hub.name, hub.user_config) == (HUB_DEPLOYMENT, {"adapters": {
+        "meta-llama/Llama-3.1-8B": {"llama-sql": "s3://adapters/sql"}, "small": {}}})
+    assert apps[HUB_APP].args == {"server": {}}
+
+
+def test_a_change_to_one_model_changes_only_its_own_application():
+    base = {"server": {"num_ingress_replicas": 2}, "models": [{"name": "a", "source": "/models/a"},
+                                                               {"name": "b", "source": "/models/b"}]}
+    changed = {**base, "models": [base["models"][0], {"name": "b", "source": "/models/b", "replicas": 3}]}
+    ingress_only = {**base, "server": {"num_ingress_replicas": 4}}
+
+    def apps(platform):
+        serve_config = yaml.safe_load(find(render({"platform": platform}), "RayService")["spec"]["serveConfigV2"])
+        return {app["name"]: app for app in serve_config["applications"]}
+
+    before = apps(base)
+    # Serve versions an application's deployments by its import path and args: equal args, kept replicas.
+    assert [name for name, app in apps(changed).items() if app != before[name]] == ["fleetserve", "engine-b"]
+    assert [name for name, app in apps(ingress_only).items() if app != before[name]] == ["fleetserve"]
 
 
 def test_the_chart_runs_two_ingress_replicas_by_default():
@@ -366,10 +401,10 @@ def test_a_model_that_starts_at_zero_renders_with_no_initial_replica():
                    "RayService")
     from fleetserve.platform.config import parse_config
 
-    [application] = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
-    # The platform config reaches the app builder as given; fleetserve's own validation takes replicas 0 with it.
-    assert application["args"]["platform"]["models"] == [zero]
-    assert parse_config(application["args"]["platform"]).models[0].replicas == 0
+    front, _, engine = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"]
+    # The platform config reaches the app builders as given; fleetserve's own validation takes replicas 0 with it.
+    assert front["args"]["platform"]["models"] == [zero] and engine["args"]["model"] == zero
+    assert parse_config(front["args"]["platform"]).models[0].replicas == 0
 
 
 def test_a_mig_group_cannot_take_several_gpus_per_pod():

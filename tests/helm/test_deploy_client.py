@@ -120,7 +120,7 @@ def test_deploy_creates_then_patches_the_rayservice(cluster, tmp_path):
     obj = store[("llm", "demo")]
     assert obj["kind"] == "RayService"
     assert obj["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["maxReplicas"] == 2
-    assert "fleetserve.deployments.builders:app_builder" in obj["spec"]["serveConfigV2"]
+    assert "fleetserve.deployments.builders:front_app_builder" in obj["spec"]["serveConfigV2"]
 
     result = run("deploy", "-f", values_file(tmp_path, 5), *common)
     assert result.exit_code == 0, result.output

@@ -68,6 +68,7 @@ from fleetserve.platform.config import (AuthConfig, CorsConfig, LimitsConfig, Mo
                                         PlatformConfig)
 from fleetserve.deployments.ingress.metrics import IngressMetrics
 from fleetserve.deployments.ingress.middleware import FrontDoorMiddleware
+from fleetserve.deployments.serve_options import resolve_handle
 from fleetserve.platform.engine import dead_replica_id
 from fleetserve.platform.metrics import merge_expositions
 from fleetserve.router.model.routes import RouteChoice, RouteError, RouteTable, routing_text
@@ -647,6 +648,8 @@ class IngressDeployment(OpenAIIngress):
         self._allocator_trim = tune_for_serving(asyncio.get_event_loop())
         start_tracing_if_asked()
         self._heap = HeapTracker()
+        metrics_hub = resolve_handle(metrics_hub)
+        engine_handles = {name: resolve_handle(handle) for name, handle in engine_handles.items()}
         source = metrics_hub.collect.remote if metrics_hub is not None else None
         load_source = metrics_hub.loads.remote if metrics_hub is not None else None
         num_ingress = config.server.num_ingress_replicas if config is not None else 1

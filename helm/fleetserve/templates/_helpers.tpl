@@ -20,15 +20,55 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
 {{/* Ray Serve's config: one application built from the platform config by fleetserve's builder. */}}
+{{/* Serve's applications: the front door (the ingress, on "/"), the metrics hub, and one per model. Serve's
+     declarative API versions each application's deployments by its args, so a change to one model restarts that
+     model's replicas alone (the front door restarts on any change; it holds no engine). Each gets only the server
+     settings its deployments read. The hub's adapters are its user_config, which reaches a running hub without a
+     restart. */}}
 {{- define "fleetserve.serveConfig" -}}
-proxy_location: {{ ((.Values.platform.server | default dict).proxy_location) | default "EveryNode" }}
+{{- $server := .Values.platform.server | default dict -}}
+proxy_location: {{ $server.proxy_location | default "EveryNode" }}
 applications:
   - name: fleetserve
-    import_path: fleetserve.deployments.builders:app_builder
+    import_path: fleetserve.deployments.builders:front_app_builder
     route_prefix: /
     args:
       platform:
         {{- toYaml .Values.platform | nindent 8 }}
+  - name: fleetserve-hub
+    import_path: fleetserve.deployments.builders:hub_app_builder
+    route_prefix: null
+    args:
+      server: {{ pick $server "custom_resources" | toJson }}
+    deployments:
+      - name: metrics-hub
+        user_config:
+          adapters: {{ include "fleetserve.adapters" . }}
+  {{- range .Values.platform.models }}
+  - name: {{ printf "engine-%s" (replace "/" "--" .name) | quote }}
+    import_path: fleetserve.deployments.builders:model_app_builder
+    route_prefix: null
+    args:
+      server: {{ pick $server "serve_fast_path" "drain_timeout_s" | toJson }}
+      model:
+        {{- toYaml . | nindent 8 }}
+  {{- end }}
+{{- end -}}
+
+{{/* The configured LoRA adapters, base model -> adapter name -> source, as JSON (the hub's registry): every
+     model with lora, `lora: {}` included (a base left out would lose the adapters loaded at run time). */}}
+{{- define "fleetserve.adapters" -}}
+{{- $adapters := dict -}}
+{{- range .Values.platform.models -}}
+{{- if kindIs "map" .lora -}}
+{{- $names := dict -}}
+{{- range (.lora.adapters | default list) -}}
+{{- $_ := set $names .name .source -}}
+{{- end -}}
+{{- $_ := set $adapters .name $names -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $adapters -}}
 {{- end -}}
 
 {{/* The GPU a worker group's pod asks Kubernetes for. Args: (dict "group" $group "root" $). */}}
