@@ -82,7 +82,9 @@ def served_outputs(url: str, name: str) -> dict[str, list[str]]:
 
 def test_adapters_list_with_their_base_as_parent(lora_app):
     cards = httpx.get(f"{lora_app.api_url}/models", timeout=30).json()["data"]
-    assert {card["id"]: card.get("parent") for card in cards} == {BASE: None, "tiny-a": BASE, "tiny-b": BASE}
+    # The configured adapters, and the adapter root's one folder (as Ray Serve LLM lists a dynamic LoRA path).
+    assert {card["id"]: card.get("parent") for card in cards} == {BASE: None, "tiny-a": BASE, "tiny-b": BASE,
+                                                                  f"{BASE}:c": BASE}
 
 
 def test_adapter_output_equals_offline_vllm_and_differs_from_the_base(lora_app, reference):
@@ -151,7 +153,7 @@ def test_adapter_loaded_at_run_time_serves_on_both_replicas_then_unloads(lora_ap
     assert (too_big.status_code, too_big.json()["error"]["param"]) == (400, "lora_path")
     assert too_big.json()["error"]["message"].endswith("LoRA rank 16 is greater than max_lora_rank 8.")
     names = {card["id"] for card in httpx.get(f"{lora_app.api_url}/models", timeout=30).json()["data"]}
-    assert names == {BASE, *CONFIGURED}
+    assert names == {BASE, *CONFIGURED, f"{BASE}:c"}  # the adapter root's folder is listed from the root
 
 
 def test_a_replica_started_later_serves_the_current_adapter_set(lora_app, reference):
@@ -299,9 +301,10 @@ def test_an_adapter_under_the_root_serves_on_its_first_request(lora_app, referen
                                                                   "max_tokens": 1}, timeout=60)
     assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found")
     assert missing.json()["error"]["message"].startswith(f"The model `{BASE}:nope` does not exist")
-    # No registry holds them: the admin API's set, and the replicas' next syncs, leave them be.
+    # No registry holds them (/v1/models lists the root's folders, not what replicas loaded): the admin API's
+    # set, and the replicas' next syncs, leave them be.
     listed = {card["id"] for card in httpx.get(f"{lora_app.api_url}/models", timeout=30).json()["data"]}
-    assert name not in listed
+    assert name in listed and f"{BASE}:nope" not in listed
     time.sleep(2)  # past a registry push (1 s)
     assert served_outputs(lora_app.api_url, name) == reference["tiny-c"]
 
