@@ -33,6 +33,12 @@ import json, ray
 ray.init(address={address!r}, log_to_driver=False, configure_logging=False)
 print(json.dumps([{{"node_id": n["NodeID"], "alive": n["Alive"], "resources": n["Resources"]}} for n in ray.nodes()]))
 """
+_REPLICAS_SCRIPT = """
+import json, ray
+ray.init(address={address!r}, log_to_driver=False, configure_logging=False)
+print(json.dumps(sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
+                        if actor["name"].startswith("SERVE_REPLICA::"))))
+"""
 
 
 def clean_env() -> dict[str, str]:
@@ -98,11 +104,21 @@ class LocalCluster:
 
     def list_nodes(self, quiet: bool = False) -> list[dict]:
         """Every node the head knows, alive or dead: node_id, alive, resources."""
-        done = subprocess.run([sys.executable, "-c", _NODES_SCRIPT.format(address=self.address)],
+        return self._driver(_NODES_SCRIPT, [] if quiet else None)
+
+    def serve_replicas(self) -> list[str]:
+        """The live Serve replica actors, by name: ``SERVE_REPLICA::<app>#<deployment>#<replica id>``, the id new
+        for each replica Serve starts."""
+        return self._driver(_REPLICAS_SCRIPT)
+
+    def _driver(self, script: str, on_failure: list | None = None) -> list:
+        """What ``script``, run as a driver of this cluster, prints as JSON on its last line; ``on_failure``, if
+        given, when it fails."""
+        done = subprocess.run([sys.executable, "-c", script.format(address=self.address)],
                               capture_output=True, text=True, env=clean_env(), timeout=60)
         if done.returncode != 0:
-            if quiet:
-                return []
+            if on_failure is not None:
+                return on_failure
             raise RuntimeError(done.stderr[-2000:])
         return json.loads(done.stdout.strip().splitlines()[-1])
 

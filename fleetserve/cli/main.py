@@ -73,7 +73,10 @@ def serve(
     if removed:
         console.print(f"removed {len(removed)} orphaned vLLM shared-memory segments")
     try:
-        application = build_app(config)  # resolves and converts model sources, with progress
+        # On a cluster started here, sources are resolved and converted once, here, with progress. A joined
+        # cluster's nodes need not share this machine's files (nor should a laptop fetch a 70B model for them):
+        # each replica resolves its source on its own node.
+        application = build_app(config, resolve_locally=address is None)
     except ModelSourceError as error:
         print_error(error)
         raise typer.Exit(2) from None

@@ -7,6 +7,7 @@ import time
 
 from ray import serve
 
+from fleetserve.deployments.app_layout import AppLayout
 from fleetserve.deployments.builders import build_app
 from fleetserve.deployments.local_run import APP_NAME, run_application
 from fleetserve.deployments.metrics_hub import HUB_DEPLOYMENT
@@ -28,6 +29,11 @@ def running_config(app_name: str = APP_NAME) -> PlatformConfig:
     if config is None:
         raise ConfigError(f"application {app_name!r} was not built by fleetserve's builder")
     return config
+
+
+def running_layout(app_name: str = APP_NAME) -> AppLayout:
+    """How the running platform's applications were built (``running_config`` checks that it runs)."""
+    return serve.get_app_handle(app_name).layout.remote().result()
 
 
 # How long apply waits for every replica of a base model to serve its changed adapters.
@@ -52,6 +58,9 @@ def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChang
             source that cannot load.
     """
     running = running_config(app_name)
+    if running_layout(app_name) is AppLayout.PER_MODEL_APPS:
+        raise ConfigError(f"application {app_name!r} is the front door of the chart's applications (a RayService): "
+                          f"change the platform with `helm upgrade`, which rewrites each model's application")
     change = diff_configs(running, config)
     _check_changed_adapters(config, change)
     if "server" in change.sections:
@@ -88,7 +97,9 @@ def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix:
             ``ADAPTER_SYNC_TIMEOUT_S``.
     """
     change = plan_change(config, app_name)
-    run_application(build_app(config), app_name, route_prefix)
+    # Built as the running platform was: a model whose config is unchanged keeps its version, and its replicas.
+    resolve_locally = running_layout(app_name) is AppLayout.DRIVER_SOURCES
+    run_application(build_app(config, resolve_locally=resolve_locally), app_name, route_prefix)
     wait_for_adapters([name for name, keys in change.changed.items() if "lora.adapters" in keys], app_name)
     return change
 

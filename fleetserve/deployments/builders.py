@@ -10,6 +10,7 @@ from typing import Any
 from ray.serve import Application
 from ray.serve.deployment import Deployment
 
+from fleetserve.deployments.app_layout import AppLayout
 from fleetserve.deployments.disaggregated.decode_server import DecodeDeployment
 from fleetserve.deployments.disaggregated.prefill_server import PrefillDeployment
 from fleetserve.deployments.engine_server import EngineDeployment
@@ -122,7 +123,8 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
     Args:
         config: the platform config.
         resolve_locally: resolve (and convert) model sources here, once, and hand replicas the
-            folder; False lets each replica resolve its own source (multi-node clusters).
+            folder (a cluster on this machine alone); False lets each replica resolve its own source on its
+            own node (a cluster that was joined, whose nodes need not share this machine's files).
         engine_cls: every replica's engine class (``InstantEngine`` measures the serving path alone;
             tests inject fakes).
     """
@@ -144,8 +146,9 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
     # Configs cross .bind() as the validated objects themselves (Ray pickles them), not re-validated dicts.
     ingress = versioned(IngressDeployment.options(**ingress_options(config.limits, config.server)),
                         deployment_version(config.model_dump(mode="json")))
+    layout = AppLayout.DRIVER_SOURCES if resolve_locally else AppLayout.REPLICA_SOURCES
     return ingress.bind(engines, hub, {model.name: model for model in config.models}, config.model_routing,
-                        config.auth, config.limits, config)
+                        config.auth, config.limits, config, layout)
 
 
 # The applications of a multi-application deployment (the chart's serveConfigV2): the front door on "/", the
@@ -172,7 +175,7 @@ def front_app_builder(args: dict[str, Any]) -> Application:
                for model in config.models}
     return IngressDeployment.options(**ingress_options(config.limits, config.server)).bind(
         engines, DeploymentRef(HUB_DEPLOYMENT, HUB_APP), {model.name: model for model in config.models},
-        config.model_routing, config.auth, config.limits, config)
+        config.model_routing, config.auth, config.limits, config, AppLayout.PER_MODEL_APPS)
 
 
 def hub_app_builder(args: dict[str, Any]) -> Application:

@@ -26,6 +26,7 @@ from cluster_helpers import metric_values, send_workload, wait_all_idle
 from conftest import SERVED_MODELS
 from factories import model_entry
 from fleetserve.deployments.ingress.protocol import HEADER_PREFILL_REPLICA
+from fleetserve.deployments.metrics_hub import HUB_DEPLOYMENT
 from fleetserve.loadtest.datasets import RequestSpec
 from fleetserve.loadtest.local_server import free_port
 from fleetserve.loadtest.runner import BenchConfig, run_benchmark
@@ -243,6 +244,30 @@ def test_apply_refuses_a_model_no_node_can_host_naming_the_slice(platform, tmp_p
     assert served.returncode == 1 and "already serves the platform" in served.stderr, served.stderr
     # Neither touched the running platform.
     assert platform.replica_nodes() == PLACED
+
+
+def test_apply_on_the_joined_cluster_keeps_every_engine_replica(platform, tmp_path):
+    def engine_replicas() -> list[str]:
+        return [name for name in platform.cluster.serve_replicas()
+                if "#ingress#" not in name and f"#{HUB_DEPLOYMENT}#" not in name]
+
+    engines = engine_replicas()
+    # small's two replicas, pd's prefill and decode replica.
+    assert len(engines) == 4, engines
+    config = yaml.safe_load(platform.config_path.read_text())
+    config["server"]["cors"] = {"allowed_origins": ["https://chat.example.com"]}
+    path = tmp_path / "cors.yaml"
+    path.write_text(yaml.safe_dump(config))
+    applied = fleetserve("apply", str(path), "--address", platform.cluster.address, timeout=300)
+    assert applied.returncode == 0, applied.stderr
+    preflight = httpx.options(f"{platform.base_url}/v1/completions", timeout=30, headers={
+        "Origin": "https://chat.example.com", "Access-Control-Request-Method": "POST"})
+    assert preflight.headers["access-control-allow-origin"] == "https://chat.example.com"
+    # Only the ingress rolled. The platform was served with --address, so each replica resolved its own source;
+    # apply built the change the same way, and so every engine kept its version (built with sources resolved on
+    # the driver, as before, each engine's version changed and Serve started four new replicas before apply
+    # returned).
+    assert engine_replicas() == engines
 
 
 def test_a_node_lost_under_load_fails_fast_and_its_replicas_return_on_a_new_node(platform):

@@ -4,7 +4,7 @@ declarative API as KubeRay does, and prints what happened as one ``RESULT <json>
 Usage: python declarative_apps.py PORT CONFIG.yaml [CONFIG.yaml ...]
 
 After each deployment (once every application runs): each engine application's replica actor ids, and the
-status of a greedy completion for each model through the front door on PORT.
+status of a greedy completion for each model through the front door on PORT, and what `fleetserve apply` says.
 """
 
 from __future__ import annotations
@@ -43,6 +43,19 @@ def wait_running(config: ServeDeploySchema, previous: dict[str, list[str]]) -> N
     raise RuntimeError(f"not running after {DEPLOY_TIMEOUT_S:g} s: {serve.status().applications}")
 
 
+def apply_refusal(config: ServeDeploySchema) -> str:
+    """What `fleetserve apply` says to the front door's platform config, applied unchanged."""
+    from fleetserve.deployments.apply import plan_change
+    from fleetserve.platform.config import ConfigError, parse_config
+
+    front = next(app for app in config.applications if app.name == "fleetserve")
+    try:
+        plan_change(parse_config(front.args["platform"]))
+    except ConfigError as error:
+        return str(error)
+    return "not refused"
+
+
 def main() -> None:
     port, paths = int(sys.argv[1]), sys.argv[2:]
     ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
@@ -65,7 +78,8 @@ def main() -> None:
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
         served = sorted({line.split('model_name="')[1].split('"')[0] for line in metrics.splitlines()
                          if line.startswith("vllm:num_requests_running{") and 'model_name="' in line})
-        steps.append({"replicas": previous, "statuses": statuses, "metrics_models": served})
+        steps.append({"replicas": previous, "statuses": statuses, "metrics_models": served,
+                      "apply": apply_refusal(config)})
     print("RESULT " + json.dumps(steps), flush=True)
     serve.shutdown()
     ray.shutdown()

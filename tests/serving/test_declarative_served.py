@@ -49,6 +49,8 @@ def test_a_change_to_one_model_restarts_only_that_models_replicas(tmp_path):
         # collects both engines' metrics.
         assert step["statuses"] == {"a": 200, "b": 200}
         assert step["metrics_models"] == ["a", "b"]
+        # apply would deploy one application over the chart's (a second engine per model): refused.
+        assert step["apply"].startswith("application 'fleetserve' is the front door of the chart's applications")
     assert second["replicas"]["engine-a"] == first["replicas"]["engine-a"]  # kept
     assert second["replicas"]["engine-b"] != first["replicas"]["engine-b"]  # restarted with its new args
     assert yaml.safe_load(after.read_text())["applications"][3]["args"]["model"]["engine_args"]["max_num_seqs"] == 8

@@ -27,6 +27,7 @@ from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
+from fleetserve.deployments.app_layout import AppLayout
 from fleetserve.deployments.ingress.protocol import (
     CORS_EXPOSED_HEADERS,
     HEADER_DOMAIN_DISTANCE,
@@ -660,9 +661,9 @@ class IngressDeployment(OpenAIIngress):
     def __init__(self, engine_handles: dict[str, Any], metrics_hub: Any = None,
                  models: dict[str, ModelConfig] | None = None, model_routing: ModelRoutingConfig | None = None,
                  auth: AuthConfig | None = None, limits: LimitsConfig | None = None,
-                 config: PlatformConfig | None = None) -> None:
-        # The whole platform config this app was built from, for `fleetserve apply` to compare against.
-        self._platform_config = config
+                 config: PlatformConfig | None = None, layout: AppLayout = AppLayout.DRIVER_SOURCES) -> None:
+        # The whole platform config this app was built from, and how, for `fleetserve apply` to compare against.
+        self._platform_config, self._layout = config, layout
         # Each request's fiber stack, and what a burst leaves in malloc's arenas, back to the kernel.
         self._allocator_trim = tune_for_serving(asyncio.get_event_loop())
         start_tracing_if_asked()
@@ -686,6 +687,10 @@ class IngressDeployment(OpenAIIngress):
     async def running_config(self) -> PlatformConfig | None:
         """The platform config this app was built from (``fleetserve apply`` diffs against it)."""
         return self._platform_config
+
+    async def layout(self) -> AppLayout:
+        """How the platform's applications were built (``fleetserve apply`` builds its change the same way)."""
+        return self._layout
 
     async def heap_mark(self) -> None:
         """Marks this replica's heap; ``heap_growth`` then reports what it gained since (memory investigations,
