@@ -54,6 +54,21 @@ def list_folders(root: str) -> list[str]:
     return sorted(folder for folder in folders if _FOLDER_NAME.fullmatch(folder))
 
 
+def holds_adapter(root: str, folder: str) -> bool:
+    """Whether ``folder`` of ``root`` holds an ``adapter_config.json`` (one check of the store, not a listing).
+
+    Raises:
+        ObjectStoreError: the store cannot be read (its package missing, credentials, network).
+    """
+    fs, path = filesystem(root)
+    marker = f"{path}/{folder}/{MARKER}"
+    fs.invalidate_cache(marker)
+    try:
+        return bool(fs.exists(marker))
+    except Exception as error:  # noqa: BLE001 - as list_folders
+        raise ObjectStoreError(f"could not read {root}/{folder}: {type(error).__name__}: {error}") from None
+
+
 def root_source(root: str, folder: str) -> str:
     """Where the adapter in ``folder`` of ``root`` is loaded from."""
     return f"{root.rstrip('/')}/{folder}"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fleetserve.platform.adapter_root import list_folders
+from fleetserve.platform.adapter_root import holds_adapter, list_folders
 from fleetserve.platform.lora_store import AdapterSourceError, build_random_lora, resolve_adapter_source
 from fleetserve.platform.model_store import (
     ModelSourceError,
@@ -133,6 +133,10 @@ def test_an_adapter_root_in_s3_lists_its_adapter_folders(s3):
     s3.put_object(Bucket="adapters", Key="root/new/adapter_config.json", Body=b"{}")
     assert list_folders("s3://adapters/root/") == ["chat", "new", "sql"]  # listed afresh, not from fsspec's cache
     assert list_folders("s3://adapters/none") == []
+    # One folder checked alone (GET /v1/models/{id} of an adapter added since the last listing), afresh too.
+    assert (holds_adapter("s3://adapters/root", "later"), holds_adapter("s3://adapters/root", "notes")) == (False, False)
+    s3.put_object(Bucket="adapters", Key="root/later/adapter_config.json", Body=b"{}")
+    assert holds_adapter("s3://adapters/root", "later")
 
 
 def test_a_missing_adapter_in_s3_is_a_404(s3):

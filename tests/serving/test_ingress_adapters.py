@@ -260,6 +260,22 @@ async def test_a_tenant_lists_the_roots_adapters_of_the_bases_it_may_use_only(fa
     assert (await call(app, "/v1/models/base:sql", key=keys["other"])).status_code == 404
 
 
+async def test_an_adapter_added_to_a_root_since_its_listing_is_found_by_id_then_listed(fake_engine_cls, tmp_path):
+    root = adapter_folders(tmp_path / "root", "sql")
+    router, _ = rooted_ingress(fake_engine_cls, root=str(root))
+    app = router.build_app()
+    assert [card["id"] for card in (await call(app, "/v1/models")).json()["data"]][-1] == "base:sql"
+    adapter_folders(root, "chat")  # within the listing's 30 s: not listed yet, but served on its first request
+    card = (await call(app, "/v1/models/base:chat")).json()
+    assert (card["id"], card["parent"]) == ("base:chat", "base")
+    assert [card["id"] for card in (await call(app, "/v1/models")).json()["data"]][-2:] == ["base:chat", "base:sql"]
+    # A folder without an adapter config, one that is not there, a name that is no folder: none is a model.
+    (root / "notes").mkdir()
+    for name in ("base:notes", "base:none", "base:..", "plain:sql"):
+        missing = await call(app, f"/v1/models/{name}")
+        assert (missing.status_code, missing.json()["error"]["code"]) == (404, "model_not_found"), name
+
+
 async def test_a_root_is_listed_again_only_once_its_listing_is_older_than_the_ttl(tmp_path):
     root = adapter_folders(tmp_path / "root", "a")
     now = [0.0]

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from fleetserve.deployments.ingress.protocol import APIError
-from fleetserve.platform.adapter_root import SEPARATOR, AdapterNameError, list_folders, root_folder
+from fleetserve.platform.adapter_root import SEPARATOR, AdapterNameError, holds_adapter, list_folders, root_folder
 from fleetserve.platform.config import ModelConfig
 
 logger = logging.getLogger(__name__)
@@ -67,6 +67,28 @@ class RootListing:
                 self._listed_at = now
                 self.bases = await asyncio.to_thread(self._list)
         return self.bases
+
+    async def find(self, name: str) -> bool:
+        """Whether ``name`` is an adapter of a root: listed, or a folder added since the last listing (checked in
+        the store itself, and then listed until the next listing). A name that is no folder name is none.
+        """
+        if name in self.bases:
+            return True
+        base = name.partition(SEPARATOR)[0]
+        try:
+            folder = root_folder(name, base) if base in self.roots else None
+        except AdapterNameError:
+            return False
+        if folder is None:
+            return False
+        try:
+            found = await asyncio.to_thread(holds_adapter, self.roots[base], folder)
+        except ValueError as error:  # ObjectStoreError
+            logger.warning("cannot read the adapter root of %s: %s", base, error)
+            return False
+        if found:
+            self.bases = {**self.bases, name: base}
+        return found
 
     def _list(self) -> dict[str, str]:
         bases = {}

@@ -250,9 +250,13 @@ class OpenAIIngress:
 
         @app.get("/v1/models/{model_id:path}")
         async def model(model_id: str, raw: Request) -> dict[str, Any]:
-            for card in await self._model_cards(getattr(raw.state, "principal", None)):
-                if card["id"] == model_id:
-                    return card
+            principal = getattr(raw.state, "principal", None)
+            card = await self._model_card(model_id, principal)
+            # An adapter added to a root since its last listing is served already; it is found as well.
+            if card is None and await self.root_adapters.find(model_id):
+                card = await self._model_card(model_id, principal)
+            if card is not None:
+                return card
             raise APIError(f"The model `{model_id}` does not exist.", 404, "not_found_error", param="model",
                            code="model_not_found")
 
@@ -274,6 +278,9 @@ class OpenAIIngress:
         for op, path in ADAPTER_PATHS.items():
             app.add_api_route(path, self._adapter_handler(op), methods=["POST"], name=f"{op.value}_lora_adapter")
         return app
+
+    async def _model_card(self, model_id: str, principal: Principal | None) -> dict[str, Any] | None:
+        return next((card for card in await self._model_cards(principal) if card["id"] == model_id), None)
 
     async def _model_cards(self, principal: Principal | None) -> list[dict[str, Any]]:
         # Adapters change through any ingress replica, and by `fleetserve apply`, so the list reads the hub's.
