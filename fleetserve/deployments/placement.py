@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import ray
 
 from fleetserve.platform.config import PlatformConfig
-from fleetserve.platform.placement import NodeOffer, PlacementReport, check_placement, pool_demands
+from fleetserve.platform.placement import (NodeOffer, PlacementReport, check_placement, pool_demands,
+                                           unpinned_cpu_warning)
 
 
 class PlacementError(RuntimeError):
@@ -21,12 +24,17 @@ def require_placement(config: PlatformConfig) -> PlacementReport:
     """Checks the config against the connected cluster's nodes.
 
     Returns:
-        The report, whose ``pending`` lists the pools that will wait for resources.
+        The report, whose ``pending`` lists the pools that will wait for resources, and ``warnings`` what runs
+        less well than it could (CPU engines pinned by this machine's cores on a cluster of several nodes).
 
     Raises:
         PlacementError: a pool's replica fits no node.
     """
-    report = check_placement(pool_demands(config), cluster_nodes())
+    nodes = cluster_nodes()
+    report = check_placement(pool_demands(config), nodes)
     if not report.ok:
         raise PlacementError("\n".join(report.unplaceable))
+    warning = unpinned_cpu_warning(config, len(nodes), len(os.sched_getaffinity(0)))
+    if warning is not None:
+        report.warnings.append(warning)
     return report

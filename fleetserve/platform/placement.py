@@ -56,6 +56,8 @@ class PlacementReport:
     pending: list[str] = field(default_factory=list)
     # (model, pool) -> node ids that the packing put the pool's replicas on, one entry per replica.
     assignment: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    # What will run, but not as well as it could, each a sentence saying what to change.
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -70,6 +72,22 @@ def pool_demands(config: PlatformConfig) -> list[PoolDemand]:
             pool_model = model.pool_model(pool)
             demands.append(PoolDemand(model.name, pool, _num_replicas(pool_model), replica_resources(pool_model)))
     return demands
+
+
+def unpinned_cpu_warning(config: PlatformConfig, num_nodes: int, num_local_cores: int) -> str | None:
+    """On a cluster of several nodes, a warning naming the CPU pools whose cores the platform plans (no
+    ``cpu_binding``): it plans them as if every engine shared this machine's cores, which on other nodes leaves
+    cores idle or puts engines on the same ones."""
+    if num_nodes <= 1:
+        return None
+    names = [model.name if pool == "colocated" else f"{model.name} ({pool})"
+             for model in config.models for pool in model.pools()
+             if model.pool_model(pool).resources.cpu_binding is None and not model.pool_model(pool).resources.num_gpus]
+    if not names:
+        return None
+    return (f"{', '.join(names)}: CPU engines without resources.cpu_binding are pinned as if all ran on this "
+            f"machine's {num_local_cores} cores, not on the cores of the {num_nodes} nodes they run on; set "
+            f"cpu_binding per model (or per pool) for this cluster")
 
 
 def _num_replicas(model: ModelConfig) -> int:

@@ -6,7 +6,8 @@ from typing import Any
 
 from factories import model_entry
 from fleetserve.platform.config import parse_config
-from fleetserve.platform.placement import NodeOffer, check_placement, pool_demands, replica_resources
+from fleetserve.platform.placement import (NodeOffer, check_placement, pool_demands, replica_resources,
+                                           unpinned_cpu_warning)
 
 HEAD = NodeOffer("aaaaaaaa00", {"CPU": 2.0, "memory": 8e9, "node:10.0.0.1": 1.0, "node:__internal_head__": 1.0})
 SMALL_SLICES = NodeOffer("bbbbbbbb00", {"CPU": 1.0, "mig-1g.18gb": 2.0, "accelerator_type:H200": 1.0})
@@ -84,3 +85,18 @@ def test_disaggregated_pools_are_checked_apart():
 def test_no_alive_node_refuses_every_pool():
     report = check_placement(pool_demands(config(on_slice("a", "mig-1g.18gb"))), [])
     assert report.unplaceable[0].endswith("Nodes: none alive")
+
+
+def test_cpu_engines_pinned_by_this_machine_are_named_on_a_cluster_of_several_nodes():
+    pinned = {**model_entry("pinned"), "resources": {"num_cpus": 0.1, "cpu_binding": ["0-3"]}}
+    on_gpu = {**model_entry("gpu"), "resources": {"num_cpus": 0.1, "num_gpus": 1}}
+    pd = {**model_entry("pd"), "resources": {"num_cpus": 0.1}, "disaggregation": {
+        "prefill": {"cpu_binding": ["4-5"]}, "decode": {}}}
+    platform = config(on_slice("small", "mig-1g.18gb"), pinned, on_gpu, pd)
+    # Only the pools whose cores the platform plans: small, and pd's decode pool.
+    assert unpinned_cpu_warning(platform, num_nodes=3, num_local_cores=8) == (
+        "small, pd (decode): CPU engines without resources.cpu_binding are pinned as if all ran on this machine's 8 "
+        "cores, not on the cores of the 3 nodes they run on; set cpu_binding per model (or per pool) for this cluster")
+    # On one node (a cluster this machine started, or joined alone) the plan holds.
+    assert unpinned_cpu_warning(platform, num_nodes=1, num_local_cores=8) is None
+    assert unpinned_cpu_warning(config(pinned, on_gpu), num_nodes=3, num_local_cores=8) is None

@@ -211,6 +211,10 @@ def test_replicas_run_only_on_nodes_offering_their_slice(platform):
     assert status.returncode == 0, status.stderr
     for name in ("a", "b"):
         assert platform.cluster.nodes[name].node_id[:8] in status.stdout
+    # serve said that the cores it planned for the engines without cpu_binding are this machine's, not the nodes'.
+    log = " ".join(platform.log_path.read_text().split())
+    assert ("warning: small, pd (prefill), pd (decode): CPU engines without resources.cpu_binding are pinned as "
+            "if all ran on this machine") in log, log
 
 
 @pytest.mark.parametrize("prompt", PROMPTS, ids=["short", "chat-like", "long"])
