@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 # The suite's shared app: the tiny model on core 0, SmolLM2 on core 1, and the routed name `auto`
-# (a classifier trained on synthetic_correctness(), calibrated to send half its prompts to smollm2).
+# (a classifier trained on synthetic_correctness(), calibrated to send half its prompts to smollm2), and the Batch API.
 SERVED_MODELS = [
     {**model_entry("tiny"), "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]},
      "cost_per_million_input_tokens": 0.1, "cost_per_million_output_tokens": 0.2},
@@ -127,17 +127,19 @@ def traffic_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def served(ray_cluster, routing_checkpoint, traffic_dir) -> Served:
+def served(ray_cluster, routing_checkpoint, traffic_dir, tmp_path_factory) -> Served:
     from ray import serve
 
     from fleetserve.deployments.builders import build_app
     from fleetserve.deployments.serve_options import deployment_name
 
+    port = free_port()
+    # The batch service sends its batches' requests to server.port, where this app listens.
     config = parse_config({"models": SERVED_MODELS, "model_routing": {
         "checkpoints": {"classifier": str(routing_checkpoint)}, "tiers": ["tiny", "smollm2"],
         "routes": [{"name": "auto", "router": "classifier", "strong_fraction": 0.5}],
-        "recording": {"directory": str(traffic_dir), "anonymous": True}}})
-    port = free_port()
+        "recording": {"directory": str(traffic_dir), "anonymous": True}},
+        "server": {"port": port}, "batches": {"folder": str(tmp_path_factory.mktemp("batches"))}})
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(config), name="fleetserve", route_prefix="/")
     handles = {model.name: serve.get_deployment_handle(deployment_name(model), "fleetserve")

@@ -52,9 +52,8 @@ def serve(
         help="Refuse a config whose replicas fit no node (off for clusters that add nodes on demand).")] = True,
 ) -> None:
     """Serve the config's models until Ctrl-C, on a Ray cluster started here or joined with --address."""
-    config = _load(config_path)
-    host = host or config.server.host
-    port = port or config.server.port
+    config = _load(config_path).listening_at(host, port)
+    host, port = config.server.host, config.server.port
 
     from fleetserve.deployments.builders import build_app
     from fleetserve.deployments.local_run import AppStartError, ClusterError, start_ray
@@ -129,7 +128,7 @@ def _check_placement(config: PlatformConfig) -> None:
     from fleetserve.deployments.placement import require_placement
 
     report = require_placement(config)
-    for line in report.pending:
+    for line in [*report.pending, *report.warnings]:
         console.print(f"[yellow]warning:[/] {line}")
 
 

@@ -31,6 +31,14 @@ def running_config(app_name: str = APP_NAME) -> PlatformConfig:
     return config
 
 
+def listening_as_running(config: PlatformConfig, running: PlatformConfig) -> PlatformConfig:
+    """``config``, listening where the running platform does unless it names its own host or port: a platform
+    started with ``serve --port`` keeps that port through an apply of the file it was started from."""
+    server = config.server
+    return config.listening_at(*(None if key in server.model_fields_set else getattr(running.server, key)
+                                 for key in ("host", "port")))
+
+
 def running_layout(app_name: str = APP_NAME) -> AppLayout:
     """How the running platform's applications were built (``running_config`` checks that it runs)."""
     return serve.get_app_handle(app_name).layout.remote().result()
@@ -58,6 +66,7 @@ def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChang
             source that cannot load.
     """
     running = running_config(app_name)
+    config = listening_as_running(config, running)
     if running_layout(app_name) is AppLayout.PER_MODEL_APPS:
         raise ConfigError(f"application {app_name!r} is the front door of the chart's applications (a RayService): "
                           f"change the platform with `helm upgrade`, which rewrites each model's application")
@@ -97,6 +106,7 @@ def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix:
             ``ADAPTER_SYNC_TIMEOUT_S``.
     """
     change = plan_change(config, app_name)
+    config = listening_as_running(config, running_config(app_name))
     # Built as the running platform was: a model whose config is unchanged keeps its version, and its replicas.
     resolve_locally = running_layout(app_name) is AppLayout.DRIVER_SOURCES
     run_application(build_app(config, resolve_locally=resolve_locally), app_name, route_prefix)

@@ -11,6 +11,7 @@ from ray.serve import Application
 from ray.serve.deployment import Deployment
 
 from fleetserve.deployments.app_layout import AppLayout
+from fleetserve.deployments.batches.server import BatchDeployment
 from fleetserve.deployments.disaggregated.decode_server import DecodeDeployment
 from fleetserve.deployments.disaggregated.prefill_server import PrefillDeployment
 from fleetserve.deployments.engine_server import EngineDeployment
@@ -148,7 +149,18 @@ def build_app(config: PlatformConfig, resolve_locally: bool = True, engine_cls: 
                         deployment_version(config.model_dump(mode="json")))
     layout = AppLayout.DRIVER_SOURCES if resolve_locally else AppLayout.REPLICA_SOURCES
     return ingress.bind(engines, hub, {model.name: model for model in config.models}, config.model_routing,
-                        config.auth, config.limits, config, layout)
+                        config.auth, config.limits, config, layout, _batch_service(config))
+
+
+def _batch_service(config: PlatformConfig) -> Application | None:
+    """The Batch API's service, when the config turns it on; it keeps its files and runs its batches across
+    changes to anything else."""
+    if config.batches is None:
+        return None
+    options = control_actor_options(config.server)
+    version = deployment_version(config.batches.model_dump(mode="json"), config.server.host, config.server.port,
+                                 options)
+    return versioned(BatchDeployment.options(ray_actor_options=options), version).bind(config.batches, config.server)
 
 
 # The applications of a multi-application deployment (the chart's serveConfigV2): the front door on "/", the
@@ -175,7 +187,7 @@ def front_app_builder(args: dict[str, Any]) -> Application:
                for model in config.models}
     return IngressDeployment.options(**ingress_options(config.limits, config.server)).bind(
         engines, DeploymentRef(HUB_DEPLOYMENT, HUB_APP), {model.name: model for model in config.models},
-        config.model_routing, config.auth, config.limits, config, AppLayout.PER_MODEL_APPS)
+        config.model_routing, config.auth, config.limits, config, AppLayout.PER_MODEL_APPS, _batch_service(config))
 
 
 def hub_app_builder(args: dict[str, Any]) -> Application:

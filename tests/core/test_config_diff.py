@@ -24,6 +24,11 @@ def test_diff_names_added_removed_and_changed_models_with_their_keys():
     assert change.describe() == ["+ d: start", "- b: stop", "~ c: replicas (in place)", "~ limits"]
 
 
+def test_turning_on_the_batch_api_is_a_change_of_its_section():
+    change = diff_configs(config(model_entry("a")), config(model_entry("a"), batches={}))
+    assert (change.sections, change.changed, change.describe()) == (["batches"], {}, ["~ batches"])
+
+
 def test_engine_args_restart_a_model_and_nothing_else_does():
     running = config(model_entry("a"))
     applied = config(model_entry("a", max_model_len=512))
@@ -79,6 +84,7 @@ def test_a_new_adapter_root_restarts_the_replicas_that_load_from_it():
 
 def test_apply_refuses_an_adapter_source_that_cannot_load_before_deploying(monkeypatch, tmp_path):
     from fleetserve.deployments import apply
+    from fleetserve.deployments.app_layout import AppLayout
     from fleetserve.platform.config import ConfigError
 
     def lora(source):
@@ -86,6 +92,7 @@ def test_apply_refuses_an_adapter_source_that_cannot_load_before_deploying(monke
                                                                  {"name": "a-2", "source": source}]}})
 
     monkeypatch.setattr(apply, "running_config", lambda app_name: lora("random-lora:2"))
+    monkeypatch.setattr(apply, "running_layout", lambda app_name: AppLayout.DRIVER_SOURCES)
     assert apply.plan_change(lora(str(peft_folder(tmp_path / "ok")))).changed == {"a": ["lora.adapters"]}
     # Before, each replica failed to load it in turn, and apply waited 60 s to say so.
     with pytest.raises(ConfigError, match=r"models\[a\]\.lora\.adapters\[a-2\]: adapter source '/no/adapter' not "
@@ -97,3 +104,19 @@ def test_apply_refuses_an_adapter_source_that_cannot_load_before_deploying(monke
     with pytest.raises(ConfigError, match=r"adapters\[a-2\]: adapter folder .*: LoRA rank 32 is greater than "
                                           r"max_lora_rank 16\."):
         apply.plan_change(lora(str(peft_folder(tmp_path / "big", r=32))))
+
+
+def test_apply_keeps_the_port_serve_was_started_on_unless_the_file_names_one(monkeypatch):
+    from fleetserve.deployments import apply
+    from fleetserve.deployments.app_layout import AppLayout
+    from fleetserve.platform.config import ConfigError
+
+    # `fleetserve serve platform.yaml --port 9000`: the running config names the port it listens on.
+    running = config(model_entry("a"), server={"num_ingress_replicas": 1}).listening_at(port=9000)
+    assert (running.server.host, running.server.port, running.server.num_ingress_replicas) == ("127.0.0.1", 9000, 1)
+    monkeypatch.setattr(apply, "running_config", lambda app_name: running)
+    monkeypatch.setattr(apply, "running_layout", lambda app_name: AppLayout.DRIVER_SOURCES)
+    assert apply.plan_change(config(model_entry("a"), server={"num_ingress_replicas": 1})).is_empty
+    assert apply.listening_as_running(config(model_entry("a")), running).server.port == 9000
+    with pytest.raises(ConfigError, match="server: port cannot change while the platform runs"):
+        apply.plan_change(config(model_entry("a"), server={"port": 8001}))

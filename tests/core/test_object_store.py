@@ -134,7 +134,7 @@ def test_an_adapter_root_in_s3_lists_its_adapter_folders(s3):
     assert list_folders("s3://adapters/root/") == ["chat", "new", "sql"]  # listed afresh, not from fsspec's cache
     assert list_folders("s3://adapters/none") == []
     # One folder checked alone (GET /v1/models/{id} of an adapter added since the last listing), afresh too.
-    assert (holds_adapter("s3://adapters/root", "later"), holds_adapter("s3://adapters/root", "notes")) == (False, False)
+    assert not holds_adapter("s3://adapters/root", "later") and not holds_adapter("s3://adapters/root", "notes")
     s3.put_object(Bucket="adapters", Key="root/later/adapter_config.json", Body=b"{}")
     assert holds_adapter("s3://adapters/root", "later")
 

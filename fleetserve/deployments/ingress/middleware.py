@@ -30,14 +30,14 @@ class FrontDoorMiddleware:
             header as Anthropic's SDKs send it (raises APIError 401),
             or None when auth is off; it is stored as ``request.state.principal``.
         open_paths: path suffixes served without a key.
-        max_body_bytes: the body-size limit in bytes, read per request.
+        max_body_bytes: the body-size limit in bytes of a request to a path, read per request.
         count: called once per response with (route, model, status) for requests on ``counted_routes``;
             the model is what the endpoint stored as ``request.state.model``, or "unknown".
         counted_routes: the route templates to count.
     """
 
     def __init__(self, app: ASGIApp, authenticate: Callable[[str | None], Any] | None, open_paths: tuple[str, ...],
-                 max_body_bytes: Callable[[], int], count: Callable[[str, str, int], None],
+                 max_body_bytes: Callable[[str], int], count: Callable[[str, str, int], None],
                  counted_routes: tuple[str, ...]) -> None:
         self.app = app
         self.authenticate = authenticate
@@ -69,7 +69,7 @@ class FrontDoorMiddleware:
             principal = self.authenticate(authorization.decode("latin-1") if authorization is not None else None)
             scope.setdefault("state", {})["principal"] = principal
         length = headers.get(b"content-length")
-        limit = self.max_body_bytes()
+        limit = self.max_body_bytes(scope["path"])
         if length is not None and length.isdigit() and int(length) > limit:
             raise APIError(f"request body is {int(length)} bytes; the limit is {limit}", 400,
                            code="request_too_large")

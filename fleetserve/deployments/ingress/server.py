@@ -28,6 +28,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 
 from fleetserve.deployments.app_layout import AppLayout
+from fleetserve.deployments.batches.server import HandleBatches
+from fleetserve.deployments.ingress.batch_routes import FILES_PATH, BatchCalls, add_batch_routes
 from fleetserve.deployments.ingress.protocol import (
     CORS_EXPOSED_HEADERS,
     HEADER_DOMAIN_DISTANCE,
@@ -136,8 +138,10 @@ class OpenAIIngress:
                  routes: RouteTable | None = None, front_door: FrontDoor | None = None,
                  limits: LimitsConfig | None = None, load_source: LoadSource | None = None,
                  adapter_catalog: AdapterCatalog | None = None, num_ingress_replicas: int = 1,
-                 cors: CorsConfig | None = None) -> None:
+                 cors: CorsConfig | None = None, batches: BatchCalls | None = None,
+                 max_file_bytes: int = 0) -> None:
         self.clients = clients
+        self.batches, self.max_file_bytes = batches, max_file_bytes
         self.cors = cors
         self.pool = pool
         self.created = int(time.time())
@@ -207,7 +211,7 @@ class OpenAIIngress:
 
         authenticate = self.front_door.authenticate if self.front_door is not None else None
         app.add_middleware(FrontDoorMiddleware, authenticate=authenticate, open_paths=OPEN_PATHS,
-                           max_body_bytes=lambda: self.limits.max_body_bytes, count=self._count_request,
+                           max_body_bytes=self._body_limit, count=self._count_request,
                            counted_routes=FORWARDED_ROUTES)
         if self.cors is not None:
             # Outermost (added last): a browser's preflight carries no key, and a 401 or 429 must carry the
@@ -277,7 +281,12 @@ class OpenAIIngress:
                               name=f"{endpoint.name.lower()}{path.replace('/', '_')}")
         for op, path in ADAPTER_PATHS.items():
             app.add_api_route(path, self._adapter_handler(op), methods=["POST"], name=f"{op.value}_lora_adapter")
+        add_batch_routes(app, self.batches, self.limits.max_body_bytes, self.max_file_bytes)
         return app
+
+    def _body_limit(self, path: str) -> int:
+        # Batch files are uploads of their own size; every other body keeps the request limit.
+        return self.max_file_bytes if path == FILES_PATH and self.batches is not None else self.limits.max_body_bytes
 
     async def _model_card(self, model_id: str, principal: Principal | None) -> dict[str, Any] | None:
         return next((card for card in await self._model_cards(principal) if card["id"] == model_id), None)
@@ -668,7 +677,8 @@ class IngressDeployment(OpenAIIngress):
     def __init__(self, engine_handles: dict[str, Any], metrics_hub: Any = None,
                  models: dict[str, ModelConfig] | None = None, model_routing: ModelRoutingConfig | None = None,
                  auth: AuthConfig | None = None, limits: LimitsConfig | None = None,
-                 config: PlatformConfig | None = None, layout: AppLayout = AppLayout.DRIVER_SOURCES) -> None:
+                 config: PlatformConfig | None = None, layout: AppLayout = AppLayout.DRIVER_SOURCES,
+                 batches: Any = None) -> None:
         # The whole platform config this app was built from, and how, for `fleetserve apply` to compare against.
         self._platform_config, self._layout = config, layout
         # Each request's fiber stack, and what a burst leaves in malloc's arenas, back to the kernel.
@@ -685,6 +695,8 @@ class IngressDeployment(OpenAIIngress):
                          front_door=FrontDoor(auth, num_parts=num_ingress) if auth else None, limits=limits,
                          load_source=load_source, num_ingress_replicas=num_ingress,
                          cors=config.server.cors if config is not None else None,
+                         batches=HandleBatches(resolve_handle(batches)) if batches is not None else None,
+                         max_file_bytes=config.batches.max_file_bytes if config is not None and config.batches else 0,
                          adapter_catalog=HubAdapterCatalog(metrics_hub) if metrics_hub is not None else None)
 
     def _proxy_request_id(self, raw: Request) -> str | None:

@@ -10,7 +10,7 @@ from fleetserve.platform.config.platform import PlatformConfig
 # its replicas converge on. Any other key restarts its replicas.
 IN_PLACE_KEYS = frozenset({"replicas", "autoscaling", "lora.adapters"})
 # Platform sections besides the models.
-SECTIONS = ("server", "model_routing", "auth", "limits")
+SECTIONS = ("server", "model_routing", "auth", "limits", "batches")
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 from pydantic import Field, model_validator
 
+from fleetserve.platform.config.batches import BatchesConfig
 from fleetserve.platform.config.base import ConfigError, Strict, parse_section, serve_safe
 from fleetserve.platform.config.front_door import AuthConfig, LimitsConfig, ServerConfig
 from fleetserve.platform.config.model import ModelConfig
@@ -25,6 +26,15 @@ class PlatformConfig(Strict):
     # API keys, tenants and their limits; None serves without keys (a warning says so at start).
     auth: AuthConfig | None = None
     limits: LimitsConfig = Field(default_factory=LimitsConfig)
+    # OpenAI's Batch API (/v1/files, /v1/batches); None: off (those paths answer 404 saying so).
+    batches: BatchesConfig | None = None
+
+    def listening_at(self, host: str | None = None, port: int | None = None) -> PlatformConfig:
+        """This config with ``server.host`` and ``server.port`` replaced where given (``serve --host/--port``), so the
+        config the platform runs with names where it listens (the batch service sends its requests there)."""
+        given = {key: value for key, value in (("host", host), ("port", port))
+                 if value is not None and value != getattr(self.server, key)}
+        return self.model_copy(update={"server": self.server.model_copy(update=given)}) if given else self
 
     @model_validator(mode="after")
     def _tenants_name_served_models(self) -> PlatformConfig:
@@ -187,6 +197,8 @@ def load_config(path: str | Path) -> PlatformConfig:
             recording.directory = str((path.parent / recording.directory).resolve())
     if config.auth is not None and config.auth.api_keys_file is not None:
         config.auth.api_keys_file = str((path.parent / config.auth.api_keys_file).resolve())
+    if config.batches is not None and config.batches.folder:
+        config.batches.folder = str((path.parent / config.batches.folder).resolve())
     return config
 
 
