@@ -65,9 +65,16 @@ def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChang
         ConfigError: no such application, a change apply cannot make (the listening address), or an adapter
             source that cannot load.
     """
+    return _plan(config, app_name)[0]
+
+
+def _plan(config: PlatformConfig, app_name: str) -> tuple[ConfigChange, PlatformConfig, AppLayout]:
+    """The change, ``config`` listening where the running platform does, and how the platform was built (each read
+    from the running application once)."""
     running = running_config(app_name)
     config = listening_as_running(config, running)
-    if running_layout(app_name) is AppLayout.PER_MODEL_APPS:
+    layout = running_layout(app_name)
+    if layout is AppLayout.PER_MODEL_APPS:
         raise ConfigError(f"application {app_name!r} is the front door of the chart's applications (a RayService): "
                           f"change the platform with `helm upgrade`, which rewrites each model's application")
     change = diff_configs(running, config)
@@ -78,7 +85,7 @@ def plan_change(config: PlatformConfig, app_name: str = APP_NAME) -> ConfigChang
         if fixed:
             raise ConfigError(f"server: {', '.join(fixed)} cannot change while the platform runs (where it listens "
                               f"and how Serve runs the ingress); restart `fleetserve serve` to change them")
-    return change
+    return change, config, layout
 
 
 def _check_changed_adapters(config: PlatformConfig, change: ConfigChange) -> None:
@@ -105,11 +112,9 @@ def apply_config(config: PlatformConfig, app_name: str = APP_NAME, route_prefix:
         AdapterSyncError: replicas that did not serve a model's changed adapters within
             ``ADAPTER_SYNC_TIMEOUT_S``.
     """
-    change = plan_change(config, app_name)
-    config = listening_as_running(config, running_config(app_name))
+    change, config, layout = _plan(config, app_name)
     # Built as the running platform was: a model whose config is unchanged keeps its version, and its replicas.
-    resolve_locally = running_layout(app_name) is AppLayout.DRIVER_SOURCES
-    run_application(build_app(config, resolve_locally=resolve_locally), app_name, route_prefix)
+    run_application(build_app(config, resolve_locally=layout is AppLayout.DRIVER_SOURCES), app_name, route_prefix)
     wait_for_adapters([name for name, keys in change.changed.items() if "lora.adapters" in keys], app_name)
     return change
 
