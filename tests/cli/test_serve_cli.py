@@ -1,6 +1,7 @@
 """`fleetserve serve` as a user runs it: starts, answers, and stops cleanly on Ctrl-C (SIGINT)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,22 +13,32 @@ import pytest
 from fleetserve.loadtest.local_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
+README_URL = "http://127.0.0.1:8000/v1"
+
+
+def readme_example() -> tuple[str, str]:
+    """The README's first Python example and what its comment says it prints."""
+    example = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S).group(1)
+    return example, re.search(r"print\(.*\)\s+# (.+)", example).group(1)
 
 
 @pytest.mark.slow
-def test_serve_starts_answers_and_stops_on_sigint(tmp_path):
+def test_serve_without_a_config_answers_the_readme_example_and_stops_on_sigint(tmp_path):
+    # `make serve`'s command: the embedded default model, on a cluster of its own.
     port = free_port()
     env = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
     log = (tmp_path / "serve.log").open("w+")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "fleetserve.cli", "serve", str(ROOT / "examples" / "tiny.yaml"), "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=tmp_path)
+    process = subprocess.Popen([sys.executable, "-m", "fleetserve.cli", "serve", "--port", str(port)],
+                               stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=tmp_path)
     try:
         ready = process.stdout.readline()  # the CLI prints READY only once the app answers
         assert ready.strip() == f"READY http://127.0.0.1:{port}/v1", (tmp_path / "serve.log").read_text()[-3000:]
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/completions",
-                              json={"model": "tiny", "prompt": "hi", "max_tokens": 4}, timeout=60)
-        assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 4
+        example, printed = readme_example()
+        assert README_URL in example
+        done = subprocess.run([sys.executable, "-c", example.replace(README_URL, f"http://127.0.0.1:{port}/v1")],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip() == printed
         process.send_signal(signal.SIGINT)
         assert process.wait(timeout=120) == 0
     finally:
