@@ -170,6 +170,8 @@ def deployment_options(model: ModelConfig, server: ServerConfig) -> dict[str, An
         "health_check_timeout_s": HEALTH_CHECK_TIMEOUT_S,
         "graceful_shutdown_timeout_s": server.drain_timeout_s,
     }
+    if model.max_start_failures is not None:
+        options["max_constructor_retry_count"] = model.max_start_failures
     if model.autoscaling is not None:
         ratio = model.disaggregation.pd_ratio if model.disaggregation is not None and model.pool != "colocated" else None
         options["autoscaling_config"] = autoscaling_config(model.autoscaling, model.replicas, model.name, ratio)

@@ -327,6 +327,14 @@ def mismatched_adapter(path: Path) -> Path:
     return path
 
 
+def replica_logs(app: str, deployment: str) -> list[Path]:
+    """The Serve log files of a deployment's replicas on this cluster, one per replica started."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return sorted(logs.glob(f"replica_{app}_{deployment}_*.log"))
+
+
 def test_a_configured_adapter_the_engine_refuses_stops_the_replica_starting_with_its_reason(served, tmp_path):
     from ray import serve
 
@@ -337,7 +345,7 @@ def test_a_configured_adapter_the_engine_refuses_stops_the_replica_starting_with
     config = parse_config({"models": [{
         **model_entry("tiny-misfit"), "resources": {"num_cpus": 0.1, "cpu_binding": ["0"]},
         "lora": {"adapters": [{"name": "tiny-misfit-a", "source": str(mismatched_adapter(tmp_path / "a"))}],
-                 "max_lora_rank": 8}}]})
+                 "max_lora_rank": 8}, "max_start_failures": 1}]})
     # Before, the replica started healthy and answered every request, the base model's included, with a 500.
     try:
         with pytest.raises(AppStartError, match=r"(?s)engine-tiny-misfit: .*models\[tiny-misfit\]: vLLM's OpenAI "
@@ -345,3 +353,5 @@ def test_a_configured_adapter_the_engine_refuses_stops_the_replica_starting_with
             run_application(build_app(config), "misfit", "/misfit")
     finally:
         serve.delete("misfit")
+    # One start, as max_start_failures says (Serve's default starts it 3 times): each start logs to a file of its own.
+    assert len(replica_logs("misfit", "engine-tiny-misfit")) == 1

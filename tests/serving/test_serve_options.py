@@ -137,3 +137,17 @@ def test_stopping_replicas_drain_for_the_configured_time():
     config = parse_config({"models": [{"name": "m", "source": "x"}], "server": {"drain_timeout_s": 45}})
     assert deployment_options(config.models[0], config.server)["graceful_shutdown_timeout_s"] == 45
     assert ingress_options(config.limits, config.server)["graceful_shutdown_timeout_s"] == 45
+
+
+def test_max_start_failures_becomes_serves_constructor_retry_count():
+    assert deployment_options(model(max_start_failures=1), ServerConfig())["max_constructor_retry_count"] == 1
+    # Unset, Serve keeps its own count (3 per replica it starts).
+    assert "max_constructor_retry_count" not in deployment_options(model(), ServerConfig())
+
+
+@pytest.mark.parametrize("value", [0, 4])
+def test_max_start_failures_outside_what_serve_retries_is_refused(value):
+    from fleetserve.platform.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"models\.0\.max_start_failures: Input should be"):
+        model(max_start_failures=value)

@@ -72,6 +72,11 @@ class ModelConfig(Strict):
     # Seconds a replica's engine may hold unfinished requests without finishing a step before the replica
     # counts as unhealthy and Serve replaces it: a hung kernel or collective neither dies nor errs. None: never.
     stall_timeout_s: float | None = Field(default=120.0, gt=0)
+    # Failed replica starts (an engine that raised or died while starting) before Serve marks the pool failed and
+    # `serve` or `apply` stops with the engine's error. None: Serve's default, 3 for each replica it starts; 1
+    # reports a misconfigured engine after one start where a start takes minutes. Serve retries a replica at most
+    # 3 times, so 3 is the most.
+    max_start_failures: int | None = Field(default=None, ge=1, le=3)
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     # Prices for cost estimates (fleetserve_estimated_cost_dollars), in dollars per 1M tokens.
     cost_per_million_input_tokens: float = Field(default=0.0, ge=0)
