@@ -14,8 +14,9 @@ PYTEST_ARGS ?=
 serve: $(STAMPS)/install
 	$(BIN)/fleetserve serve $(CONFIG)
 
-# Everything: the architecture's import contracts, then every test, real engines included (pytest 27-44 min on
-# 2 cores in fresh-clone runs, after a ~5-minute install; engine start-ups dominate: see `--durations`).
+# Everything: the architecture's import contracts, then every test, real engines included (pytest 45-57 min on
+# 2 cores in fresh-clone runs, after a ~5-minute install). Engine start-ups dominate (see `--durations`): each
+# costs ~20 s, ~16 s of it importing vLLM twice, in the replica and in the engine core it spawns.
 test: $(STAMPS)/install $(STAMPS)/system lint-imports
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
