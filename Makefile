@@ -14,7 +14,7 @@ PYTEST_ARGS ?=
 serve: $(STAMPS)/install
 	$(BIN)/fleetserve serve $(CONFIG)
 
-# Everything: the architecture's import contracts, then every test, real engines included (pytest 45-57 min on
+# Everything: the architecture's import contracts, then every test, real engines included (pytest 45-59 min on
 # 2 cores in fresh-clone runs, after a ~5-minute install). Engine start-ups dominate (see `--durations`): each
 # costs ~20 s, ~16 s of it importing vLLM twice, in the replica and in the engine core it spawns.
 test: $(STAMPS)/install $(STAMPS)/system lint-imports
