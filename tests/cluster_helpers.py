@@ -7,6 +7,7 @@ import random
 import re
 import time
 from collections import defaultdict
+from pathlib import Path
 
 import httpx
 
@@ -54,6 +55,15 @@ def replica_actors(deployment: str) -> list[str]:
 
     return sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True)
                   if f"#{deployment}#" in actor["name"] and actor["name"].startswith("SERVE_REPLICA"))
+
+
+def replica_logs(app: str, deployment: str) -> list[Path]:
+    """The Serve log files of a deployment's replicas on this cluster, one per replica Serve started (failed
+    starts included, where ``replica_actors`` sees only the live)."""
+    import ray
+
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
+    return sorted(logs.glob(f"replica_{app}_{deployment}_*.log"))
 
 
 def kill(actor_name: str) -> None:

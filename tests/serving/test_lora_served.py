@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cluster_helpers import engine_core_pids, kill, replica_actors, wait_until_healthy
+from cluster_helpers import engine_core_pids, kill, replica_actors, replica_logs, wait_until_healthy
 from conftest import Served
 from factories import model_entry, peft_folder
 
@@ -325,14 +325,6 @@ def mismatched_adapter(path: Path) -> Path:
     save_file({name: torch.zeros(tensor.shape[0] + 3, tensor.shape[1]) if "lora_B" in name else tensor
                for name, tensor in weights.items()}, path / "adapter_model.safetensors")
     return path
-
-
-def replica_logs(app: str, deployment: str) -> list[Path]:
-    """The Serve log files of a deployment's replicas on this cluster, one per replica started."""
-    import ray
-
-    logs = Path(ray._private.worker._global_node.get_logs_dir_path()) / "serve"
-    return sorted(logs.glob(f"replica_{app}_{deployment}_*.log"))
 
 
 def test_a_configured_adapter_the_engine_refuses_stops_the_replica_starting_with_its_reason(served, tmp_path):
